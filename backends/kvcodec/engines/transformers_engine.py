@@ -1,0 +1,98 @@
+"""The reference engine: a Hugging Face causal LM on the CPU (or a GPU), greedy decoding.
+
+- ``tokenize(text)``: the model's token ids (no special tokens added);
+- ``prefill_chunks(ids, chunk_tokens)``: runs prefill chunk by chunk and yields each chunk's KV
+  as float32 ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (used by ingest);
+- ``stream(ids, max_tokens, past_kv=None)``: yields greedy token ids one by one; with
+  ``past_kv`` (the KV of ``ids[:n]``) only ``ids[n:]`` is computed. At least one token must be
+  left to compute.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import BadRequest
+from ..geometry import Geometry
+from .model_files import ModelFiles
+
+
+class TransformersEngine:
+    def __init__(self, files: ModelFiles, threads: Optional[int] = None, device: str = "cpu") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from ..tokenizer import Tokenizer
+
+        if threads:
+            torch.set_num_threads(int(threads))
+        self._torch = torch
+        self.files = files
+        self.model_id = files.model_id
+        self.device = torch.device(device)
+        self.tokenizer = Tokenizer(files)
+        self.model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).to(self.device).eval()
+        cfg = self.model.config
+        self.layers = int(cfg.num_hidden_layers)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.eos_token_id = self.tokenizer.eos_token_id
+
+    def geometry(self, tokens: int) -> Geometry:
+        return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, tokens=tokens)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _cache_to_numpy(self, cache, start: int, end: int) -> np.ndarray:
+        layers = []
+        for layer in cache.layers:
+            k = layer.keys[0, :, start:end, :]
+            v = layer.values[0, :, start:end, :]
+            layers.append(self._torch.stack([k, v]))
+        return self._torch.stack(layers).float().cpu().numpy()
+
+    def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]:
+        """KV of each full chunk of ``ids``, computed incrementally."""
+        torch = self._torch
+        cache = self._new_cache()
+        with torch.inference_mode():
+            for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
+                x = torch.tensor([list(ids[start : start + chunk_tokens])], device=self.device)
+                self.model(input_ids=x, past_key_values=cache, use_cache=True)
+                yield self._cache_to_numpy(cache, start, start + chunk_tokens)
+
+    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None) -> Iterator[int]:
+        torch = self._torch
+        if len(ids) == 0:
+            raise BadRequest("prompt is empty")
+        cache = self._new_cache()
+        start = 0
+        if past_kv is not None and past_kv.shape[3] > 0:
+            want = self.geometry(past_kv.shape[3]).shape
+            if tuple(past_kv.shape) != want:
+                raise BadRequest(f"restored KV has shape {tuple(past_kv.shape)}, the model needs {want}")
+            start = past_kv.shape[3]
+            if start >= len(ids):
+                raise BadRequest("restored KV covers the whole prompt; at least one token must be computed")
+            kv = torch.from_numpy(np.ascontiguousarray(past_kv)).to(self.device, torch.float32)
+            for layer in range(self.layers):
+                cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
+        x = torch.tensor([list(ids[start:])], device=self.device)
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                logits = self.model(input_ids=x, past_key_values=cache, use_cache=True).logits
+                token = int(logits[0, -1].argmax())
+                yield token
+                if token == self.eos_token_id:
+                    return
+                x = torch.tensor([[token]], device=self.device)

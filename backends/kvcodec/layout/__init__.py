@@ -1,0 +1,38 @@
+"""KV tensor <-> frames. The research on codec-friendly layouts lives here.
+
+A ``Layout`` turns a KV chunk into planes (a ``uint8`` array ``[frames, height, width]``) plus
+named side sections (quantization scales...), and back. ``to_planes`` may lose precision
+(quantization); ``from_planes`` must be exact for the planes it is given, and cheap.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import numpy as np
+
+from ..geometry import Geometry
+from ..registry import Registry
+
+
+class Layout:
+    name: str = ""
+    version: int = 1
+
+    def planes_shape(self, geometry: Geometry) -> Tuple[int, int, int]:
+        raise NotImplementedError
+
+    def to_planes(self, kv: np.ndarray) -> Tuple[np.ndarray, Dict[str, bytes]]:
+        raise NotImplementedError
+
+    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], geometry: Geometry) -> np.ndarray:
+        """Return the KV chunk as float16 ``geometry.shape``."""
+        raise NotImplementedError
+
+
+LAYOUTS: Registry = Registry("layout")
+LAYOUTS.register("q8", "kvcodec.layout.quant:PerChannel8")
+LAYOUTS.register("fp16", "kvcodec.layout.fp16:Fp16Bytes")
+
+
+def get_layout(name: str) -> Layout:
+    return LAYOUTS.get(name)()

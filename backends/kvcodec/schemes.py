@@ -1,0 +1,58 @@
+"""Named KV codecs ("schemes"): a layout plus a bitstream codec with its settings.
+
+These are the names users pass as ``--codec``. A scheme's ``identity`` names everything that
+shapes the stored bytes (scheme, layout and their versions, codec settings); it is bound into
+every chunk key and header, so changing any of it makes old chunks misses, never wrong reads.
+
+- ``lossless8``: per-channel 8-bit quantization, HEVC lossless (the 8-bit values come back
+  bit-exactly, through NVDEC or software);
+- ``video``: the same layout, lossy HEVC at a constant QP (``quality`` sets the QP);
+- ``int8-zstd``: the same 8-bit layout, zstd instead of video;
+- ``raw``: float16 bytes, no compression (the first baseline).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    layout: str
+    codec: str
+    codec_params: Dict[str, Any] = field(default_factory=dict)
+    version: int = 1
+    quality_param: Optional[str] = None  # the codec parameter that ``quality`` sets, if any
+
+    @property
+    def identity(self) -> str:
+        params = json.dumps(self.codec_params, sort_keys=True, separators=(",", ":"))
+        return f"{self.name}/v{self.version}/{self.layout}/{self.codec}{params}"
+
+
+SCHEMES: Dict[str, Scheme] = {
+    "lossless8": Scheme("lossless8", layout="q8", codec="hevc", codec_params={"lossless": True, "qp": 0, "preset": "ultrafast"}),
+    "video": Scheme("video", layout="q8", codec="hevc", codec_params={"lossless": False, "qp": 4, "preset": "ultrafast"},
+                    quality_param="qp"),
+    "int8-zstd": Scheme("int8-zstd", layout="q8", codec="zstd", codec_params={"level": 3}, quality_param="level"),
+    "raw": Scheme("raw", layout="fp16", codec="identity"),
+}
+
+DEFAULT_SCHEME = "lossless8"
+
+
+def get_scheme(name: str, quality: Optional[int] = None) -> Scheme:
+    """The scheme called ``name``, with its quality parameter set to ``quality`` if given."""
+    if name not in SCHEMES:
+        raise ConfigError(f"codec {name!r} is unknown (known: {', '.join(sorted(SCHEMES))})")
+    scheme = SCHEMES[name]
+    if quality is None:
+        return scheme
+    if scheme.quality_param is None:
+        raise ConfigError(f"codec {name!r} has no quality setting (got quality={quality})")
+    params = dict(scheme.codec_params, **{scheme.quality_param: int(quality)})
+    return replace(scheme, codec_params=params)

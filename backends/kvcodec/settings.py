@@ -1,0 +1,92 @@
+"""Typed settings, parsed once (in a model's ``initialize`` or a CLI command).
+
+Each setting comes, first match wins, from an explicit mapping (a Triton model's config
+``parameters`` or CLI flags), then the environment (``KVCODEC_<NAME>``, which ``kvcodec serve``
+sets for the server it starts), then the default. Unknown keys and bad values are errors that
+name the field and the value.
+
+| field         | env                    | default                                 |
+|---------------|------------------------|-----------------------------------------|
+| home          | KVCODEC_HOME           | ``./.cache``                            |
+| store         | KVCODEC_STORE          | ``file://<home>/store``                 |
+| model_cache   | KVCODEC_MODEL_CACHE    | ``<home>/models``                       |
+| codecs        | KVCODEC_CODECS         | every codec, lossless8 first (lookup order) |
+| chunk_tokens  | KVCODEC_CHUNK_TOKENS   | 256                                     |
+| threads       | KVCODEC_THREADS        | 0 (torch's default)                     |
+| decoder       | KVCODEC_DECODER        | ``pyav`` (``nvdec``, ``auto``)          |
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping, Optional, Tuple
+
+from .errors import ConfigError
+from .schemes import DEFAULT_SCHEME, SCHEMES
+
+DECODER_CHOICES = ("pyav", "nvdec", "auto")
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    store: str
+    model_cache: Path
+    codecs: Tuple[str, ...]
+    chunk_tokens: int
+    threads: int
+    decoder: str
+
+    @classmethod
+    def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
+        explicit = {k: v for k, v in (explicit or {}).items() if v not in (None, "")}
+        env = os.environ if env is None else env
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(explicit) - names)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+
+        def raw(name: str) -> Optional[str]:
+            if name in explicit:
+                return str(explicit[name])
+            return env.get(f"KVCODEC_{name.upper()}") or None
+
+        home = Path(raw("home") or ".cache").expanduser().resolve()
+        store = raw("store") or f"file://{home / 'store'}"
+        model_cache = Path(raw("model_cache") or home / "models").expanduser().resolve()
+        default_codecs = [DEFAULT_SCHEME] + [n for n in SCHEMES if n != DEFAULT_SCHEME]
+        codecs = tuple(c.strip() for c in (raw("codecs") or ",".join(default_codecs)).split(",") if c.strip())
+        for c in codecs:
+            if c not in SCHEMES:
+                raise ConfigError(f"codecs: {c!r} is unknown (known: {', '.join(sorted(SCHEMES))})")
+        chunk_tokens = _int("chunk_tokens", raw("chunk_tokens") or "256", minimum=8)
+        if chunk_tokens % 8:
+            raise ConfigError(f"chunk_tokens must be a multiple of 8, got {chunk_tokens}")
+        threads = _int("threads", raw("threads") or "0", minimum=0)
+        decoder = raw("decoder") or "pyav"
+        if decoder not in DECODER_CHOICES:
+            raise ConfigError(f"decoder must be one of {', '.join(DECODER_CHOICES)}, got {decoder!r}")
+        return cls(home, store, model_cache, codecs, chunk_tokens, threads, decoder)
+
+    def environ(self) -> dict:
+        """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
+        return {
+            "KVCODEC_HOME": str(self.home),
+            "KVCODEC_STORE": self.store,
+            "KVCODEC_MODEL_CACHE": str(self.model_cache),
+            "KVCODEC_CODECS": ",".join(self.codecs),
+            "KVCODEC_CHUNK_TOKENS": str(self.chunk_tokens),
+            "KVCODEC_THREADS": str(self.threads),
+            "KVCODEC_DECODER": self.decoder,
+        }
+
+
+def _int(name: str, value: str, minimum: int) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {n}")
+    return n

@@ -1,0 +1,70 @@
+"""KV chunk stores, chosen by URL scheme.
+
+Contract of a ``KVStore`` (every backend: the filesystem default, memory for tests, and the
+HTTP and Redis backends to come):
+
+- ``get(key) -> bytes | None``: the stored bytes, or ``None`` on a miss (a miss is not an error);
+- ``exists(key) -> bool``: cheap presence test;
+- ``put(key, data)``: store atomically (a reader sees the old value, or the whole new one);
+- ``delete(key)``: remove if present;
+- ``close()``: release connections.
+Transport failures raise ``StoreUnavailable``. Keys are ``[0-9a-z/]`` paths made by ``kvcodec.keys``.
+
+``open_store(url)`` picks the backend by scheme (``file://DIR``, ``memory://NAME``); the backend's
+module is imported only when its scheme is used.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+from urllib.parse import urlsplit
+
+from ..errors import BadRequest, ConfigError
+from ..registry import Registry
+
+_KEY = re.compile(r"^[0-9a-z][0-9a-z/_-]{0,254}$")
+
+
+class KVStore:
+    url: str = ""
+
+    def get(self, key: str) -> Optional[bytes]:
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def put(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY.match(key) or ".." in key or "//" in key:
+        raise BadRequest(f"bad store key {key!r}")
+    return key
+
+
+STORES: Registry = Registry("store scheme")
+STORES.register("file", "kvcodec.store.fs:FileStore")
+STORES.register("memory", "kvcodec.store.memory:MemoryStore")
+
+
+def open_store(url: str) -> KVStore:
+    scheme = urlsplit(url).scheme
+    if not scheme:
+        raise ConfigError(f"store URL {url!r} has no scheme (use file://DIR)")
+    if scheme not in STORES:
+        raise ConfigError(f"store URL {url!r}: unknown scheme {scheme!r} (known: {', '.join(STORES.names())})")
+    return STORES.get(scheme).from_url(url)

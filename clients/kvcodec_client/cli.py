@@ -1,0 +1,197 @@
+"""The ``kvcodec`` command: serve, ingest, generate, demo.
+
+    kvcodec serve    [--store URL] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+    kvcodec ingest   --text-file F [--codec lossless8] [--quality Q] [--store URL]
+    kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
+    kvcodec demo     [--json perf/results/demo.json]
+
+Settings not given as flags come from ``KVCODEC_*`` variables, then defaults (see
+``kvcodec.settings``); the store defaults to ``file://./.cache/store``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+def _settings(args):
+    from kvcodec.settings import Settings
+
+    explicit = {"home": args.home, "store": args.store, "model_cache": args.model_cache}
+    for name in ("threads", "decoder", "codecs"):
+        if getattr(args, name, None) not in (None, ""):
+            explicit[name] = str(getattr(args, name))
+    return Settings.load(explicit)
+
+
+def _read_text(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"kvcodec: cannot read --text-file {path}: {exc}")
+    if not text.strip():
+        raise SystemExit(f"kvcodec: --text-file {path} is empty")
+    return text
+
+
+def cmd_serve(args) -> int:
+    from kvcodec.engines.model_files import ensure_model
+    from kvcodec.tritonserver import Ports, TritonServer
+
+    settings = _settings(args)
+    ensure_model(settings.model_cache)
+    server = TritonServer(Path(args.model_repository), settings,
+                          Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host)
+    stopping = []
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+        server.stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start(timeout_s=args.timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"kvcodec serve: {exc}", file=sys.stderr)
+        return 1
+    print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "
+          f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}", flush=True)
+    code = server.wait()
+    server.stop()
+    print("kvcodec serve: stopped", flush=True)
+    return 0 if stopping else code
+
+
+def cmd_ingest(args) -> int:
+    from tqdm import tqdm
+
+    from kvcodec.engines.model_files import ensure_model
+    from kvcodec.engines.transformers_engine import TransformersEngine
+    from kvcodec.ingest import ingest
+    from kvcodec.schemes import get_scheme
+    from kvcodec.store import open_store
+
+    settings = _settings(args)
+    scheme = get_scheme(args.codec, args.quality)
+    text = _read_text(args.text_file)
+    engine = TransformersEngine(ensure_model(settings.model_cache), threads=settings.threads or None)
+    ids = engine.tokenize(text)
+    n_chunks = len(ids) // settings.chunk_tokens
+    if n_chunks == 0:
+        print(f"kvcodec ingest: {len(ids)} tokens is less than one chunk ({settings.chunk_tokens}); nothing stored",
+              file=sys.stderr)
+        return 1
+    with open_store(settings.store) as store, tqdm(total=n_chunks, unit="chunk", desc="ingest",
+                                                   disable=args.quiet) as bar:
+        report = ingest(engine, store, ids, scheme, settings.chunk_tokens, threads=max(1, settings.threads),
+                        progress=bar.update)
+    summary = {"tokens": report.tokens, "chunks": report.chunks, "written": report.written,
+               "bytes_written": report.bytes_written, "ratio_vs_fp16": round(report.ratio_vs_fp16, 3),
+               "prefill_s": round(report.prefill_s, 3), "encode_s": round(report.encode_s, 3),
+               "codec": scheme.identity, "store": settings.store}
+    print(json.dumps(summary) if args.json else
+          f"ingested {report.tokens} tokens: {report.chunks} chunks ({report.written} new, "
+          f"{report.bytes_written} bytes, {report.ratio_vs_fp16:.2f}x vs fp16) with {scheme.name} into {settings.store}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from kvcodec.engines.model_files import ensure_model
+    from kvcodec.tokenizer import Tokenizer
+    from kvcodec_client.client import ClientError, KVCodecClient
+
+    settings = _settings(args)
+    ids = Tokenizer(ensure_model(settings.model_cache)).encode(_read_text(args.text_file))
+    client = KVCodecClient(args.url, args.protocol)
+    try:
+        result = client.generate(ids, args.max_tokens, reuse=not args.no_reuse)
+    except (ClientError, ConnectionError, OSError) as exc:
+        print(f"kvcodec generate: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"tokens": result.tokens, "text": result.text, "ttft_s": round(result.ttft_s, 6),
+                          "reused_tokens": result.reused_tokens, "prompt_tokens": len(ids),
+                          "total_s": round(result.total_s, 6), "stats": result.stats}))
+    else:
+        print(result.text)
+        print(f"\n[ttft {result.ttft_s:.3f} s, reused {result.reused_tokens}/{len(ids)} prompt tokens, "
+              f"{len(result.tokens)} tokens in {result.total_s:.3f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kvcodec_client.demo import run_demo
+
+    return run_demo(_settings(args), Path(args.json), Path(args.model_repository))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcodec", description="KV cache reuse through video codecs on Triton")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--home", help="folder for caches and logs (default ./.cache)")
+        p.add_argument("--store", help="store URL (default file://<home>/store)")
+        p.add_argument("--model-cache", help="folder of the converted model (default <home>/models)")
+        p.add_argument("--threads", type=int, help="torch / decoder threads (0: torch's default)")
+
+    p = sub.add_parser("serve", help="run tritonserver on the model repository in the foreground")
+    common(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"])
+    p.add_argument("--codecs", help="comma list: codecs to look chunks up in, in order")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("ingest", help="prefill a text once and store its KV chunks")
+    common(p)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--codec", default="lossless8")
+    p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("generate", help="ask the server to continue a text; prints text and TTFT")
+    common(p)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
+    p.add_argument("--no-reuse", action="store_true", help="force full prefill")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="ingest a text, compare TTFT with and without reuse, write JSON")
+    common(p)
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "demo.json"))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvcodec.errors import KVCodecError
+
+    try:
+        return int(args.func(args) or 0)
+    except KVCodecError as exc:
+        print(f"kvcodec {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

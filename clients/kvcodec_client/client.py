@@ -1,0 +1,162 @@
+"""Call the ``kvcodec`` ensemble over gRPC (tritonclient streaming) or HTTP (Triton's
+``generate_stream`` endpoint, server-sent events), and measure time-to-first-token.
+
+``KVCodecClient(url, protocol).generate(token_ids, max_tokens, reuse=True)`` returns a
+``GenerateResult``: the generated token ids, the text, the TTFT seen by the client (from sending
+the request to the first token's response), the total time, how many prompt tokens the server
+reused, and the server's statistics (JSON of the first and last responses, merged).
+A request the server refuses raises ``ClientError`` with the server's message and status.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+MODEL = "kvcodec"
+DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+
+
+class ClientError(RuntimeError):
+    def __init__(self, message: str, status: str = "") -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class GenerateResult:
+    tokens: List[int]
+    text: str
+    ttft_s: float
+    total_s: float
+    reused_tokens: int
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "text": self.text, "ttft_s": round(self.ttft_s, 6),
+                "reused_tokens": self.reused_tokens, "total_s": round(self.total_s, 6), "stats": self.stats}
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.ttft: Optional[float] = None
+        self.tokens: List[int] = []
+        self.text: List[str] = []
+        self.reused = 0
+        self.stats: dict = {}
+
+    def add(self, ids, text, reused, stats) -> None:
+        if ids is None or len(ids) == 0:
+            return
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.t0
+        self.tokens.extend(int(t) for t in ids)
+        self.text.append(text)
+        self.reused = int(reused)
+        if stats:
+            self.stats.update(stats)
+
+    def result(self) -> GenerateResult:
+        if self.ttft is None:
+            raise ClientError("the server sent no token")
+        return GenerateResult(self.tokens, "".join(self.text), self.ttft, time.perf_counter() - self.t0,
+                              self.reused, self.stats)
+
+
+class KVCodecClient:
+    def __init__(self, url: Optional[str] = None, protocol: str = "grpc", timeout_s: float = 600.0) -> None:
+        if protocol not in DEFAULT_URLS:
+            raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
+        self.protocol = protocol
+        self.url = (url or DEFAULT_URLS[protocol]).removeprefix("http://").removeprefix("grpc://")
+        self.timeout_s = timeout_s
+
+    def generate(self, token_ids: Sequence[int], max_tokens: int, reuse: bool = True) -> GenerateResult:
+        if self.protocol == "grpc":
+            return self._grpc(token_ids, max_tokens, reuse)
+        return self._http(token_ids, max_tokens, reuse)
+
+    def _grpc(self, token_ids, max_tokens, reuse) -> GenerateResult:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        inputs = []
+        for name, array, dtype in (("input_ids", np.asarray(token_ids, np.int32), "INT32"),
+                                   ("max_tokens", np.array([max_tokens], np.int32), "INT32"),
+                                   ("reuse", np.array([reuse], np.bool_), "BOOL")):
+            tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        events: "queue.Queue" = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            client.start_stream(callback=lambda result, error: events.put((result, error)))
+            collector = _Collector()
+            client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+            while True:
+                try:
+                    result, error = events.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise ClientError(f"no response within {self.timeout_s:.0f} s") from None
+                if error is not None:
+                    status = error.status() if isinstance(error, InferenceServerException) else ""
+                    raise ClientError(error.message() if hasattr(error, "message") else str(error), status or "")
+                ids = result.as_numpy("output_ids")
+                if ids is not None:
+                    text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace")
+                    stats = json.loads(result.as_numpy("stats").reshape(-1)[0] or b"{}")
+                    collector.add(ids, text, result.as_numpy("reused_tokens").reshape(-1)[0], stats)
+                final = result.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
+            return collector.result()
+        finally:
+            client.stop_stream()
+            client.close()
+
+    def _http(self, token_ids, max_tokens, reuse) -> GenerateResult:
+        host, _, port = self.url.partition(":")
+        body = json.dumps({"input_ids": [int(t) for t in token_ids], "max_tokens": int(max_tokens),
+                           "reuse": bool(reuse)})
+        conn = http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s)
+        try:
+            collector = _Collector()
+            conn.request("POST", f"/v2/models/{MODEL}/generate_stream", body=body,
+                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise ClientError(_error_text(response.read()), str(response.status))
+            for raw in response:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise ClientError(event["error"])
+                ids = event.get("output_ids")
+                if isinstance(ids, int):
+                    ids = [ids]
+                stats = event.get("stats") or "{}"
+                collector.add(ids, event.get("text_output", ""), _scalar(event.get("reused_tokens", 0)),
+                              json.loads(stats if isinstance(stats, str) else stats[0]))
+            return collector.result()
+        finally:
+            conn.close()
+
+
+def _scalar(value):
+    return value[0] if isinstance(value, list) else value
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        return json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:300]

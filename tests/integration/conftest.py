@@ -1,0 +1,85 @@
+"""A real tritonserver on our model repository, shared by the integration tests of a session.
+
+The converted model is cached in the repository's ``.cache/models`` (converted once, ~1 min);
+the store and logs live in a temporary folder. Texts come from the Python standard library.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from kvcodec.engines.model_files import ensure_model
+from kvcodec.settings import Settings
+from kvcodec.tokenizer import Tokenizer
+from kvcodec.tritonserver import Ports, TritonServer
+
+REPO = Path(__file__).resolve().parents[2]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+KVCODEC = str(Path(sys.executable).parent / "kvcodec")
+
+
+def free_ports(n: int):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="session")
+def settings(tmp_path_factory) -> Settings:
+    home = tmp_path_factory.mktemp("kvcodec-home")
+    s = Settings.load({"home": str(home), "model_cache": str(REPO / ".cache" / "models"), "threads": "1"}, env={})
+    ensure_model(s.model_cache)
+    return s
+
+
+@pytest.fixture(scope="session")
+def tokenizer(settings) -> Tokenizer:
+    return Tokenizer(ensure_model(settings.model_cache))
+
+
+@pytest.fixture(scope="session")
+def server(settings):
+    http, grpc, metrics = free_ports(3)
+    srv = TritonServer(REPO / "model_repository", settings, Ports(http, grpc, metrics))
+    srv.start(timeout_s=300)
+    pid = srv.proc.pid
+    yield srv
+    srv.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # nothing of the server's process group is left
+
+
+def cli(settings, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the ``kvcodec`` console script with this session's settings."""
+    common = ["--home", str(settings.home), "--store", settings.store, "--model-cache", str(settings.model_cache),
+              "--threads", "1"]
+    proc = subprocess.run([KVCODEC, args[0], *common, *args[1:]], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"kvcodec {args[0]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def text_of(tokenizer, source: str, tokens: int) -> str:
+    """Whole lines of a standard-library module, just over ``tokens`` tokens."""
+    out, lines = [], (STDLIB / source).read_text(encoding="utf-8").splitlines(keepends=True)
+    for line in lines:
+        out.append(line)
+        if len(out) % 5 == 0 and len(tokenizer.encode("".join(out))) >= tokens:
+            break
+    return "".join(out)
+
+
+def ingest_text(settings, tmp_path: Path, text: str, codec: str = "lossless8") -> dict:
+    path = tmp_path / f"context-{codec}.txt"
+    path.write_text(text)
+    return json.loads(cli(settings, "ingest", "--text-file", str(path), "--codec", codec, "--json", "--quiet").stdout)

@@ -1,0 +1,207 @@
+"""The kvcodec ensemble on a real tritonserver, called over gRPC and HTTP with tritonclient and
+Triton's generate_stream endpoint: reuse gives full prefill's tokens, and every fault falls back."""
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcodec.keys import chunk_keys
+from kvcodec.schemes import get_scheme
+from kvcodec_client import ClientError, KVCodecClient
+
+from .conftest import cli, ingest_text, text_of
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+QUESTION = "\n\n# Question: what does this module do?\n# Answer:"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def grpc(server):
+    return KVCodecClient(server.grpc_url, "grpc")
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    return KVCodecClient(server.http_url, "http")
+
+
+@pytest.fixture(scope="module")
+def context_a(settings, tokenizer, tmp_path_factory):
+    """A text ingested with lossless8 (2 full chunks), the prompt built on it, and its prefill answer."""
+    text = text_of(tokenizer, "textwrap.py", 540)
+    report = ingest_text(settings, tmp_path_factory.mktemp("a"), text)
+    assert report["chunks"] == 2 and report["written"] == 2, report
+    return text, tokenizer.encode(text + QUESTION)
+
+
+@pytest.fixture(scope="module")
+def prefill_a(server, grpc, context_a):
+    result = grpc.generate(context_a[1], MAX_TOKENS, reuse=False)
+    assert result.reused_tokens == 0 and len(result.tokens) == MAX_TOKENS
+    return result
+
+
+def test_grpc_reuse_gives_prefill_tokens(grpc, context_a, prefill_a):
+    result = grpc.generate(context_a[1], MAX_TOKENS, reuse=True)
+    assert result.reused_tokens == 512
+    assert result.tokens == prefill_a.tokens
+    assert result.text == prefill_a.text
+    assert result.stats["chunks_used"] == 2 and result.stats["scheme"] == "lossless8"
+    assert result.stats["bytes_fetched"] > 0 and result.stats["decode_s"] > 0
+    assert result.stats["prompt_tokens"] == len(context_a[1])
+
+
+def test_http_reuse_gives_prefill_tokens(http, context_a, prefill_a):
+    result = http.generate(context_a[1], MAX_TOKENS, reuse=True)
+    assert result.reused_tokens == 512
+    assert result.tokens == prefill_a.tokens
+    no_reuse = http.generate(context_a[1], MAX_TOKENS, reuse=False)
+    assert no_reuse.reused_tokens == 0 and no_reuse.tokens == prefill_a.tokens
+
+
+def test_unseen_prompt_is_full_prefill(grpc, tokenizer):
+    ids = tokenizer.encode(text_of(tokenizer, "glob.py", 300) + QUESTION)
+    result = grpc.generate(ids, 4, reuse=True)
+    assert result.reused_tokens == 0
+    assert result.stats["miss_reason"] == "no stored prefix"
+    assert result.tokens == grpc.generate(ids, 4, reuse=False).tokens
+
+
+def _chunk_path(settings, model_id, ids, index, codec="lossless8") -> Path:
+    key = chunk_keys(ids, model_id, get_scheme(codec).identity, settings.chunk_tokens)[index]
+    return Path(settings.store.removeprefix("file://")) / f"{key}.kvc"
+
+
+@pytest.fixture(scope="module")
+def context_b(settings, tokenizer, grpc, tmp_path_factory):
+    text = text_of(tokenizer, "fnmatch.py", 800)
+    report = ingest_text(settings, tmp_path_factory.mktemp("b"), text)
+    assert report["chunks"] == 3
+    ids = tokenizer.encode(text + QUESTION)
+    return ids, grpc.generate(ids, MAX_TOKENS, reuse=False)
+
+
+def test_corrupt_chunk_is_a_miss_from_there_on(settings, grpc, context_b):
+    from kvcodec.engines.model_files import ensure_model
+
+    ids, prefill = context_b
+    path = _chunk_path(settings, ensure_model(settings.model_cache).model_id, ids, 1)
+    original = path.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0x40
+    path.write_bytes(bytes(damaged))
+    try:
+        result = grpc.generate(ids, MAX_TOKENS, reuse=True)
+    finally:
+        path.write_bytes(original)
+    assert result.reused_tokens == 256
+    assert "chunk 1: corrupt" in result.stats["miss_reason"]
+    assert result.tokens == prefill.tokens
+    healed = grpc.generate(ids, MAX_TOKENS, reuse=True)
+    assert healed.reused_tokens == 768 and healed.tokens == prefill.tokens
+
+
+def test_chunk_under_the_wrong_key_is_never_used(settings, grpc, context_b):
+    from kvcodec.engines.model_files import ensure_model
+
+    ids, prefill = context_b
+    model_id = ensure_model(settings.model_cache).model_id
+    first, second = _chunk_path(settings, model_id, ids, 0), _chunk_path(settings, model_id, ids, 1)
+    original = second.read_bytes()
+    shutil.copyfile(first, second)
+    try:
+        result = grpc.generate(ids, MAX_TOKENS, reuse=True)
+    finally:
+        second.write_bytes(original)
+    assert result.reused_tokens == 256
+    assert "chunk 1: foreign" in result.stats["miss_reason"]
+    assert result.tokens == prefill.tokens
+
+
+def test_raw_fp16_baseline(settings, tokenizer, grpc, tmp_path):
+    text = text_of(tokenizer, "shlex.py", 300)
+    ingest_text(settings, tmp_path, text, codec="raw")
+    ids = tokenizer.encode(text + QUESTION)
+    result = grpc.generate(ids, MAX_TOKENS, reuse=True)
+    assert result.stats["scheme"] == "raw" and result.reused_tokens == 256
+    assert result.stats["bytes_fetched"] > 256 * 30 * 2 * 3 * 64 * 2  # fp16 KV plus the header
+    assert result.tokens == grpc.generate(ids, MAX_TOKENS, reuse=False).tokens
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_empty_prompt_is_invalid_argument(server, protocol):
+    client = KVCodecClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol)
+    with pytest.raises(ClientError) as err:
+        client.generate([], 4)
+    assert err.value.message.endswith("input_ids is empty: the prompt needs at least one token")
+    if protocol == "http":
+        assert err.value.status == "400"  # INVALID_ARG; gRPC streams carry the message only
+
+
+def test_bad_max_tokens_is_invalid_argument(grpc):
+    with pytest.raises(ClientError) as err:
+        grpc.generate([1, 2, 3], 0)
+    assert err.value.message.endswith("max_tokens must be in 1..4096, got 0")
+
+
+def test_wrong_dtype_is_refused(server):
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, array, dtype in (("input_ids", np.array([1, 2, 3], np.float32), "FP32"),
+                               ("max_tokens", np.array([4], np.int32), "INT32"),
+                               ("reuse", np.array([True]), "BOOL")):
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    answers: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put(error))
+    client.async_stream_infer("kvcodec", inputs)
+    error = answers.get(timeout=60)
+    client.stop_stream()
+    client.close()
+    assert error is not None and "FP32" in error.message(), error
+
+
+def test_wrong_shape_is_refused(server):
+    body = json.dumps({"input_ids": [[1, 2], [3, 4]], "max_tokens": 4, "reuse": True}).encode()
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/kvcodec/generate_stream", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60).read()
+    assert err.value.code == 400, err.value.read()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cli_generate_json(settings, server, context_a, prefill_a, tokenizer, tmp_path, protocol):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(tokenizer.decode(context_a[1]))
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    out = cli(settings, "generate", "--text-file", str(prompt), "--max-tokens", str(MAX_TOKENS),
+              "--protocol", protocol, "--url", url, "--json").stdout
+    result = json.loads(out)
+    assert set(result) >= {"tokens", "text", "ttft_s", "reused_tokens"}
+    assert result["tokens"] == prefill_a.tokens and result["reused_tokens"] == 512 and result["ttft_s"] > 0
+    no_reuse = json.loads(cli(settings, "generate", "--text-file", str(prompt), "--max-tokens", "2",
+                              "--protocol", protocol, "--url", url, "--json", "--no-reuse").stdout)
+    assert no_reuse["reused_tokens"] == 0 and no_reuse["tokens"] == prefill_a.tokens[:2]
+
+
+def test_metrics_report_reuse_and_fallbacks(server, grpc, context_a, prefill_a):
+    grpc.generate(context_a[1], 2, reuse=True)
+    with urllib.request.urlopen(f"http://{server.host}:{server.ports.metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'kvcodec_requests_total{outcome="reuse"}' in text
+    assert 'kvcodec_requests_total{outcome="prefill"}' in text
+    reused = [line for line in text.splitlines() if line.startswith("kvcodec_reused_tokens_total")]
+    assert reused and float(reused[0].split()[-1]) >= 512
