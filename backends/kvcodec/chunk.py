@@ -9,6 +9,7 @@ model, key or an unknown codec identity); the caller turns either into a miss fr
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
@@ -29,6 +30,10 @@ PAYLOAD = "payload"
 class Decoded:
     header: Container  # the chunk without its payload: geometry, layout, side data
     planes: np.ndarray
+
+
+def planes_digest(planes: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(planes).tobytes(), digest_size=16).hexdigest()
 
 
 def _make_codec(scheme: Scheme, **runtime: Any) -> BitstreamCodec:
@@ -62,8 +67,15 @@ class ChunkEncoder:
             "geometry": g.to_dict(),
             "planes_shape": list(planes.shape),
         }
+        payload = self.codec.encode(planes)
+        decoded = self.codec.decode(payload, planes.shape)
+        if self.codec.lossless and not np.array_equal(decoded, planes):
+            raise RuntimeError(f"{self.scheme.name}: the lossless codec did not return its planes exactly")
+        # The digest of what a decoder must return: it catches a damaged bitstream that still
+        # decodes, and any decoder (NVDEC or software) that is not bit-exact.
+        header["planes_digest"] = planes_digest(decoded)
         sections = dict(side)
-        sections[PAYLOAD] = self.codec.encode(planes)
+        sections[PAYLOAD] = payload
         return Container(header, sections).to_bytes()
 
 
@@ -100,6 +112,8 @@ class ChunkDecoder:
             raise CorruptChunk("chunk has no payload")
         shape = _shape3(chunk.header.get("planes_shape"))
         planes = self._codec_for(chunk.header).decode(chunk.sections[PAYLOAD], shape)
+        if planes_digest(planes) != chunk.header.get("planes_digest"):
+            raise CorruptChunk("decoded planes do not match the digest taken at ingest")
         return Decoded(chunk.without(PAYLOAD), planes)
 
     def close(self) -> None:

@@ -35,9 +35,10 @@ class Scheme:
 
 
 SCHEMES: Dict[str, Scheme] = {
-    "lossless8": Scheme("lossless8", layout="q8", codec="hevc", codec_params={"lossless": True, "qp": 0, "preset": "ultrafast"}),
-    "video": Scheme("video", layout="q8", codec="hevc", codec_params={"lossless": False, "qp": 4, "preset": "ultrafast"},
-                    quality_param="qp"),
+    "lossless8": Scheme("lossless8", layout="q8", codec="hevc", codec_params={"lossless": True, "qp": 0, "preset": "ultrafast"},
+                        version=2),
+    "video": Scheme("video", layout="q8", codec="hevc", codec_params={"lossless": False, "qp": 8, "preset": "ultrafast"},
+                    quality_param="qp", version=2),
     "int8-zstd": Scheme("int8-zstd", layout="q8", codec="zstd", codec_params={"level": 3}, quality_param="level"),
     "raw": Scheme("raw", layout="fp16", codec="identity"),
 }

@@ -57,6 +57,8 @@ class Settings:
         model_cache = Path(raw("model_cache") or home / "models").expanduser().resolve()
         default_codecs = [DEFAULT_SCHEME] + [n for n in SCHEMES if n != DEFAULT_SCHEME]
         codecs = tuple(c.strip() for c in (raw("codecs") or ",".join(default_codecs)).split(",") if c.strip())
+        if not codecs:
+            raise ConfigError(f"codecs names no codec (got {raw('codecs')!r})")
         for c in codecs:
             if c not in SCHEMES:
                 raise ConfigError(f"codecs: {c!r} is unknown (known: {', '.join(sorted(SCHEMES))})")

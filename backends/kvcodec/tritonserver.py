@@ -143,6 +143,11 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
+    def terminate(self) -> None:
+        """Ask the server to stop (SIGTERM) without waiting: safe inside a signal handler."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def wait(self) -> int:
         return self.proc.wait() if self.proc else 0
 

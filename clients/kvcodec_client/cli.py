@@ -53,13 +53,17 @@ def cmd_serve(args) -> int:
 
     def on_signal(signum, _frame):
         stopping.append(signum)
-        server.stop()
+        server.terminate()  # the main thread's wait() returns, then stop() reaps everything
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         server.start(timeout_s=args.timeout)
     except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        if stopping:
+            print("kvcodec serve: stopped before it was ready", flush=True)
+            return 0
         print(f"kvcodec serve: {exc}", file=sys.stderr)
         return 1
     print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "

@@ -156,7 +156,10 @@ def _scalar(value):
 
 
 def _error_text(body: bytes) -> str:
+    text = body.decode("utf-8", "replace").strip()
+    if text.startswith("data:"):  # generate_stream answers errors as one server-sent event
+        text = text[5:]
     try:
-        return json.loads(body)["error"]
+        return json.loads(text)["error"]
     except (ValueError, KeyError, TypeError):
-        return body.decode("utf-8", "replace")[:300]
+        return text[:300]

@@ -153,13 +153,12 @@ def test_bad_max_tokens_is_invalid_argument(grpc):
     assert err.value.message.endswith("max_tokens must be in 1..4096, got 0")
 
 
-def test_wrong_dtype_is_refused(server):
+def _stream_error(server, tensors):
+    """The error the ensemble answers to one gRPC streaming request of raw tensors."""
     import tritonclient.grpc as grpcclient
 
     inputs = []
-    for name, array, dtype in (("input_ids", np.array([1, 2, 3], np.float32), "FP32"),
-                               ("max_tokens", np.array([4], np.int32), "INT32"),
-                               ("reuse", np.array([True]), "BOOL")):
+    for name, array, dtype in tensors:
         tensor = grpcclient.InferInput(name, list(array.shape), dtype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
@@ -170,16 +169,25 @@ def test_wrong_dtype_is_refused(server):
     error = answers.get(timeout=60)
     client.stop_stream()
     client.close()
+    return error
+
+
+def test_wrong_dtype_is_refused(server):
+    error = _stream_error(server, [("input_ids", np.array([1, 2, 3], np.float32), "FP32"),
+                                   ("max_tokens", np.array([4], np.int32), "INT32"),
+                                   ("reuse", np.array([True]), "BOOL")])
     assert error is not None and "FP32" in error.message(), error
 
 
 def test_wrong_shape_is_refused(server):
-    body = json.dumps({"input_ids": [[1, 2], [3, 4]], "max_tokens": 4, "reuse": True}).encode()
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/kvcodec/generate_stream", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=60).read()
-    assert err.value.code == 400, err.value.read()
+    error = _stream_error(server, [("input_ids", np.array([[1, 2], [3, 4]], np.int32), "INT32"),
+                                   ("max_tokens", np.array([4], np.int32), "INT32"),
+                                   ("reuse", np.array([True]), "BOOL")])
+    assert error is not None and "shape" in error.message(), error
+    error = _stream_error(server, [("input_ids", np.array([1, 2], np.int32), "INT32"),
+                                   ("max_tokens", np.array([4, 5], np.int32), "INT32"),
+                                   ("reuse", np.array([True]), "BOOL")])
+    assert error is not None and "shape" in error.message(), error
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

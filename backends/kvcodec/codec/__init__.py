@@ -29,6 +29,11 @@ class BitstreamCodec:
     def decode(self, data: bytes, shape: Tuple[int, int, int]) -> np.ndarray:
         raise NotImplementedError
 
+    @property
+    def lossless(self) -> bool:
+        """Whether ``decode(encode(planes))`` returns ``planes`` exactly."""
+        return True
+
     def close(self) -> None:
         """Release decoder resources (no-op for software codecs)."""
 

@@ -1,8 +1,9 @@
 """HEVC planes codec: x265 encode in software, decode by PyAV (FFmpeg) or NVDEC.
 
 Each plane becomes one luma frame of a raw Annex-B HEVC stream, 8-bit 4:2:0 with the chroma
-planes held at 128, intra only (``keyint=1``), so the stream stays within what NVDEC decodes
-(HEVC Main, 8-bit, not monochrome). ``lossless=True`` gives x265's lossless mode (bit-exact);
+planes held at 128, every frame an IDR picture (forced per frame, so that x265 keeps the HEVC
+Main profile: ``keyint=1`` would make it signal the "Main Intra" range-extension profile), so the
+stream stays within what NVDEC decodes (HEVC Main, 8-bit, not monochrome). ``lossless=True`` gives x265's lossless mode (bit-exact);
 otherwise ``qp`` sets a constant quantizer. Frame order is the stream order (raw streams carry
 no timestamps).
 """
@@ -83,13 +84,18 @@ class Hevc(BitstreamCodec):
         self._decoder = None
 
     @property
+    def lossless(self) -> bool:
+        return self.params["lossless"]
+
+    @property
     def decoder(self):
         if self._decoder is None:
             self._decoder = make_decoder(self._decoder_name, self._threads)
         return self._decoder
 
     def x265_params(self) -> str:
-        parts = ["log-level=error", "keyint=1", "min-keyint=1", "bframes=0", "repeat-headers=1"]
+        parts = ["log-level=error", "keyint=600", "min-keyint=600", "scenecut=0", "forced-idr=1", "bframes=0",
+                 "repeat-headers=1"]
         parts.append("lossless=1" if self.params["lossless"] else f"qp={self.params['qp']}")
         return ":".join(parts)
 
@@ -112,6 +118,7 @@ class Hevc(BitstreamCodec):
             buf[:height] = planes[i]
             frame = av.VideoFrame.from_ndarray(buf, format="yuv420p")
             frame.pts = i
+            frame.pict_type = av.video.frame.PictureType.I  # an IDR picture (forced-idr=1)
             packets.extend(ctx.encode(frame))
         packets.extend(ctx.encode(None))
         return b"".join(bytes(p) for p in packets)

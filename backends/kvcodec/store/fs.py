@@ -44,6 +44,7 @@ class FileStore(KVStore):
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
@@ -51,6 +52,11 @@ class FileStore(KVStore):
                 f.write(data)
             os.replace(tmp, path)
         except OSError as exc:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
             raise StoreUnavailable(f"cannot write {key}: {exc.strerror}") from None
 
     def delete(self, key: str) -> None:

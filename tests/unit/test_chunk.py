@@ -1,0 +1,206 @@
+"""KV chunk <-> container bytes (kvcodec.chunk) for every scheme, and the schemes themselves."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcodec import container
+from kvcodec.chunk import PAYLOAD, ChunkDecoder, ChunkEncoder, restore
+from kvcodec.container import Container
+from kvcodec.errors import ConfigError, CorruptChunk, ForeignChunk
+from kvcodec.geometry import Geometry
+from kvcodec.layout import get_layout
+from kvcodec.schemes import DEFAULT_SCHEME, SCHEMES, get_scheme
+
+MODEL = "org/tiny@abc123"
+KEY = "aaaa/bbbb/0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def chunk_kv(make_kv):
+    return make_kv(5)
+
+
+@pytest.fixture(scope="module")
+def encoded(chunk_kv):
+    """Each scheme's chunk of the same KV, encoded once for the module."""
+    return {name: ChunkEncoder(scheme, MODEL).encode(chunk_kv, KEY, chunk_index=2, token_start=512)
+            for name, scheme in SCHEMES.items()}
+
+
+def _q8_round_trip(kv: np.ndarray) -> np.ndarray:
+    layout = get_layout("q8")
+    planes, side = layout.to_planes(kv)
+    return layout.from_planes(planes, side, Geometry.of(kv))
+
+
+def _rebuild(data: bytes, **header_changes) -> bytes:
+    c = container.parse(data)
+    c.header.update(header_changes)
+    return Container(c.header, c.sections).to_bytes()
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_every_scheme_restores_float16_kv_of_the_right_shape(name, chunk_kv, encoded):
+    decoder = ChunkDecoder(MODEL)
+    decoded = decoder.decode(encoded[name], key=KEY)
+    assert PAYLOAD not in decoded.header.sections
+    assert decoded.header.header["scheme"] == name
+    assert decoded.header.header["scheme_id"] == SCHEMES[name].identity
+    assert decoded.header.header["chunk_index"] == 2 and decoded.header.header["token_start"] == 512
+    kv = restore(decoded.header, decoded.planes)
+    assert kv.dtype == np.float16 and kv.shape == chunk_kv.shape
+    assert np.isfinite(kv).all()
+    err = np.abs(kv.astype(np.float32) - chunk_kv)
+    span = chunk_kv.max(axis=3, keepdims=True) - chunk_kv.min(axis=3, keepdims=True)
+    assert (err <= span / 8 + 1e-2).all(), f"{name}: error {err.max():.4f} too large"
+    decoder.close()
+
+
+@pytest.mark.parametrize("name", ["lossless8", "int8-zstd"])
+def test_lossless_8bit_schemes_restore_exactly_the_q8_round_trip(name, chunk_kv, encoded):
+    decoded = ChunkDecoder(MODEL).decode(encoded[name], key=KEY)
+    kv = restore(decoded.header, decoded.planes)
+    want = _q8_round_trip(chunk_kv)
+    assert np.array_equal(kv.view(np.uint16), want.view(np.uint16)), (
+        f"{name}: {int((kv != want).sum())} values differ from the q8 round trip")
+
+
+def test_raw_restores_the_float16_of_the_input_exactly(chunk_kv, encoded):
+    decoded = ChunkDecoder(MODEL).decode(encoded["raw"], key=KEY)
+    kv = restore(decoded.header, decoded.planes)
+    assert np.array_equal(kv.view(np.uint16), chunk_kv.astype(np.float16).view(np.uint16))
+
+
+def test_restore_accepts_flat_planes_as_they_travel_between_steps(chunk_kv, encoded):
+    decoded = ChunkDecoder(MODEL).decode(encoded["int8-zstd"], key=KEY)
+    header = container.parse(decoded.header.to_bytes())  # as kv_restore receives it
+    flat = restore(header, decoded.planes.reshape(-1))
+    assert np.array_equal(flat, restore(decoded.header, decoded.planes))
+
+
+def test_video_is_lossy_but_close(chunk_kv, encoded):
+    decoded = ChunkDecoder(MODEL).decode(encoded["video"], key=KEY)
+    kv = restore(decoded.header, decoded.planes).astype(np.float32)
+    q8 = _q8_round_trip(chunk_kv).astype(np.float32)
+    step = (chunk_kv.max(axis=3, keepdims=True) - chunk_kv.min(axis=3, keepdims=True)) / 255
+    levels = np.abs(kv - q8) / np.maximum(step, 1e-6)
+    assert levels.mean() < 2.0, f"video: mean error {levels.mean():.2f} q8 levels"
+
+
+def test_a_chunk_of_another_model_is_foreign(encoded):
+    with pytest.raises(ForeignChunk, match="model_id"):
+        ChunkDecoder("org/other@abc123").decode(encoded["int8-zstd"], key=KEY)
+
+
+def test_a_wrong_expected_key_is_foreign(encoded):
+    decoder = ChunkDecoder(MODEL)
+    with pytest.raises(ForeignChunk, match="key"):
+        decoder.decode(encoded["int8-zstd"], key=KEY[:-1] + "0")
+    decoder.decode(encoded["int8-zstd"])  # no key given: no key check
+
+
+@pytest.mark.parametrize("tamper", [
+    {"scheme_id": "lossless8/v2/q8/hevc{}"},
+    {"scheme_id": SCHEMES["lossless8"].identity},  # scheme says int8-zstd
+    {"scheme": "int9-zstd"},
+    {"scheme": "raw"},
+    {"codec_params": {"level": 9}},  # no longer matches the scheme_id
+    {"codec_params": "level=3"},
+])
+def test_a_tampered_codec_identity_is_foreign(tamper, encoded):
+    data = _rebuild(encoded["int8-zstd"], **tamper)
+    with pytest.raises(ForeignChunk, match="codec"):
+        ChunkDecoder(MODEL).decode(data, key=KEY)
+
+
+def test_codec_params_this_build_cannot_take_are_foreign(encoded):
+    params = dict(SCHEMES["int8-zstd"].codec_params, window=5)
+    scheme_id = get_scheme("int8-zstd").identity.replace('{"level":3}', '{"level":3,"window":5}')
+    data = _rebuild(encoded["int8-zstd"], codec_params=params, scheme_id=scheme_id)
+    with pytest.raises(ForeignChunk, match="not understood"):
+        ChunkDecoder(MODEL).decode(data, key=KEY)
+
+
+@pytest.mark.parametrize("tamper, error", [
+    ({"layout": "q4"}, ForeignChunk),
+    ({"layout_version": 2}, ForeignChunk),
+    ({"geometry": {"layers": 4}}, CorruptChunk),
+])
+def test_restore_rejects_a_header_it_does_not_read(tamper, error, encoded):
+    decoded = ChunkDecoder(MODEL).decode(encoded["int8-zstd"], key=KEY)
+    decoded.header.header.update(tamper)
+    with pytest.raises(error):
+        restore(decoded.header, decoded.planes)
+
+
+@pytest.mark.parametrize("shape", [None, [8, 256], [8, 0, 192], ["a", 1, 1]])
+def test_bad_planes_shape_in_header_is_corrupt(shape, encoded):
+    data = _rebuild(encoded["int8-zstd"], planes_shape=shape)
+    with pytest.raises(CorruptChunk, match="planes shape"):
+        ChunkDecoder(MODEL).decode(data, key=KEY)
+
+
+def test_a_chunk_without_payload_is_corrupt(encoded):
+    data = container.parse(encoded["int8-zstd"]).without(PAYLOAD).to_bytes()
+    with pytest.raises(CorruptChunk, match="payload"):
+        ChunkDecoder(MODEL).decode(data, key=KEY)
+
+
+@pytest.mark.parametrize("name", ["lossless8", "raw"])
+def test_a_flipped_payload_byte_is_corrupt(name, encoded):
+    bad = bytearray(encoded[name])
+    bad[len(bad) // 2 + 7] ^= 0x10
+    with pytest.raises(CorruptChunk):
+        ChunkDecoder(MODEL).decode(bytes(bad), key=KEY)
+
+
+def test_a_rewrapped_truncated_hevc_payload_is_corrupt(encoded):
+    """A valid container around half an HEVC stream: the decode itself must fail."""
+    c = container.parse(encoded["lossless8"])
+    c.sections[PAYLOAD] = c.sections[PAYLOAD][: len(c.sections[PAYLOAD]) // 2]
+    with pytest.raises(CorruptChunk, match="frames"):
+        ChunkDecoder(MODEL).decode(c.to_bytes(), key=KEY)
+
+
+def test_the_decoder_makes_one_codec_per_scheme(encoded):
+    decoder = ChunkDecoder(MODEL)
+    for _ in range(2):
+        for name in ("int8-zstd", "raw"):
+            decoder.decode(encoded[name], key=KEY)
+    assert len(decoder._codecs) == 2
+    decoder.close()
+    assert decoder._codecs == {}
+
+
+def test_get_scheme_quality_sets_the_qp_and_changes_the_identity():
+    base = get_scheme("video")
+    tuned = get_scheme("video", quality=20)
+    assert tuned.codec_params["qp"] == 20 and base.codec_params["qp"] == 8
+    assert tuned.identity != base.identity and '"qp":20' in tuned.identity
+    assert get_scheme("video") is SCHEMES["video"]  # the registered scheme is not changed
+    assert get_scheme("int8-zstd", quality=9).codec_params == {"level": 9}
+    assert get_scheme("video", quality=8).identity == base.identity
+
+
+def test_quality_chosen_for_video_reaches_the_encoder(chunk_kv):
+    enc = ChunkEncoder(get_scheme("video", quality=30), MODEL)
+    assert enc.codec.params["qp"] == 30 and "qp=30" in enc.codec.x265_params()
+
+
+@pytest.mark.parametrize("name", ["lossless8", "raw"])
+def test_quality_on_a_scheme_without_one_raises(name):
+    with pytest.raises(ConfigError, match=name):
+        get_scheme(name, quality=10)
+
+
+def test_unknown_codec_name_raises_config_error():
+    with pytest.raises(ConfigError, match="'h266'.*int8-zstd, lossless8, raw, video"):
+        get_scheme("h266")
+
+
+def test_scheme_identities_are_distinct_and_name_their_parts():
+    ids = {name: s.identity for name, s in SCHEMES.items()}
+    assert len(set(ids.values())) == len(ids)
+    assert ids["lossless8"] == 'lossless8/v2/q8/hevc{"lossless":true,"preset":"ultrafast","qp":0}'
+    assert DEFAULT_SCHEME == "lossless8"

@@ -1,0 +1,198 @@
+"""Bitstream codecs (kvcodec.codec): identity, zstd and HEVC through x265 and PyAV."""
+from __future__ import annotations
+
+import av
+import numpy as np
+import pytest
+
+from kvcodec import container
+from kvcodec.chunk import ChunkDecoder, ChunkEncoder
+from kvcodec.codec import CODECS
+from kvcodec.codec.hevc import DECODERS, Hevc, PyAVDecoder, make_decoder
+from kvcodec.errors import CorruptChunk, Unsupported
+from kvcodec.geometry import Geometry
+from kvcodec.layout import get_layout
+from kvcodec.schemes import get_scheme
+
+
+@pytest.fixture(scope="module")
+def q8(make_kv):
+    """q8 planes of a 4-layer chunk: 8 frames of 192x256, plus what restores them."""
+    kv = make_kv(3)
+    planes, side = get_layout("q8").to_planes(kv)
+    return kv, planes, side
+
+
+@pytest.fixture(scope="module")
+def lossless_stream(q8):
+    codec = Hevc(lossless=True)
+    return codec.encode(q8[1])
+
+
+def _decode_all(data: bytes):
+    ctx = av.CodecContext.create("hevc", "r")
+    frames = []
+    for packet in ctx.parse(data) + ctx.parse(None):
+        frames.extend(ctx.decode(packet))
+    frames.extend(ctx.decode(None))
+    return ctx, frames
+
+
+def test_registry_names_the_codecs():
+    assert CODECS.names() == ["hevc", "identity", "zstd"]
+    assert DECODERS.names() == ["nvdec", "pyav"]
+    with pytest.raises(Unsupported, match="hevc, identity, zstd"):
+        CODECS.get("av1")
+
+
+@pytest.mark.parametrize("name", ["identity", "zstd"])
+def test_byte_codecs_are_exact(name, q8):
+    planes = q8[1]
+    codec = CODECS.get(name)()
+    data = codec.encode(planes)
+    assert isinstance(data, bytes)
+    out = codec.decode(data, planes.shape)
+    assert out.dtype == np.uint8 and np.array_equal(out, planes)
+    if name == "zstd":
+        assert len(data) < planes.nbytes
+    codec.close()
+
+
+@pytest.mark.parametrize("name", ["identity", "zstd"])
+def test_byte_codecs_reject_a_wrong_size(name, q8):
+    planes = q8[1]
+    codec = CODECS.get(name)()
+    data = codec.encode(planes)
+    f, h, w = planes.shape
+    with pytest.raises(CorruptChunk, match="expected"):
+        codec.decode(data, (f - 1, h, w))
+    with pytest.raises(CorruptChunk):
+        codec.decode(data[:-1], planes.shape)
+
+
+def test_zstd_garbage_raises_corrupt():
+    with pytest.raises(CorruptChunk, match="zstd"):
+        CODECS.get("zstd")().decode(b"definitely not zstd" * 4, (1, 8, 8))
+
+
+def test_zstd_level_is_a_recorded_parameter():
+    assert CODECS.get("zstd")(level=7).params == {"level": 7}
+    assert CODECS.get("zstd")().params == {"level": 3}
+
+
+def test_hevc_params_hold_only_what_shapes_the_bitstream():
+    codec = Hevc(lossless=False, qp=12, decoder="auto", threads=2)
+    assert codec.params == {"lossless": False, "qp": 12, "preset": "ultrafast"}
+    assert "qp=12" in codec.x265_params() and "lossless" not in codec.x265_params()
+    assert "lossless=1" in Hevc(lossless=True).x265_params()
+
+
+def test_lossless8_hevc_round_trip_is_bit_exact(q8, lossless_stream):
+    kv, planes, side = q8
+    out = Hevc(lossless=True).decode(lossless_stream, planes.shape)
+    assert out.shape == planes.shape and out.dtype == np.uint8
+    diff = np.argwhere(out != planes)
+    assert diff.size == 0, f"{len(diff)} q8 values changed through HEVC lossless, first at {diff[:3].tolist()}"
+    # and so the restored KV equals the layout's own round trip exactly
+    g = Geometry.of(kv)
+    layout = get_layout("q8")
+    assert np.array_equal(layout.from_planes(out, side, g), layout.from_planes(planes, side, g))
+
+
+def test_hevc_stream_is_8bit_420_with_one_frame_per_plane(q8, lossless_stream):
+    planes = q8[1]
+    ctx, frames = _decode_all(lossless_stream)
+    assert len(frames) == planes.shape[0]
+    for f in frames:
+        assert f.format.name == "yuv420p", f"frame format {f.format.name}"
+        assert (f.width, f.height) == (planes.shape[2], planes.shape[1])
+        yuv = f.to_ndarray()  # [height * 3 / 2, width]: luma rows, then the two chroma planes
+        assert (yuv[planes.shape[1]:] == 128).all()
+
+
+def test_hevc_stream_is_main_profile(lossless_stream):
+    ctx, frames = _decode_all(lossless_stream)
+    assert frames and frames[0].format.name == "yuv420p"
+    assert ctx.profile == "Main", f"PyAV reports HEVC profile {ctx.profile!r}, expected 'Main'"
+
+
+def test_lossy_video_decodes_to_the_right_shape_with_bounded_error(q8):
+    kv, planes, side = q8
+    codec = Hevc(lossless=False, qp=8)
+    data = codec.encode(planes)
+    out = codec.decode(data, planes.shape)
+    assert out.shape == planes.shape and out.dtype == np.uint8
+    err = np.abs(out.astype(np.int16) - planes.astype(np.int16))
+    assert err.mean() < 2.0, f"mean error {err.mean():.2f} q8 levels at qp 8"
+    assert err.max() <= 32, f"max error {err.max()} q8 levels at qp 8"
+    assert (err > 0).any(), "qp 8 is lossy: some value should change"
+    coarse = Hevc(lossless=False, qp=30).encode(planes)
+    assert len(coarse) < len(data), f"qp 30 gave {len(coarse)} bytes, qp 8 gave {len(data)}"
+
+
+def test_hevc_rejects_plane_sizes_that_are_not_multiples_of_8():
+    with pytest.raises(ValueError, match="multiples of 8"):
+        Hevc().encode(np.zeros((1, 12, 16), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("cut", [0.1, 0.5])
+def test_truncated_hevc_stream_raises_corrupt(cut, q8, lossless_stream):
+    """A stream cut short by whole frames: the frame count check catches it."""
+    planes = q8[1]
+    data = lossless_stream[: int(len(lossless_stream) * cut)]
+    with pytest.raises(CorruptChunk):
+        out = Hevc().decode(data, planes.shape)
+        pytest.fail(f"truncated stream decoded silently (equal: {np.array_equal(out, planes)})")
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00" * 100, b"\x00\x00\x00\x01" + b"\xff" * 64])
+def test_not_hevc_raises_corrupt(data):
+    with pytest.raises(CorruptChunk):
+        Hevc().decode(data, (8, 256, 192))
+
+
+def test_wrong_frame_size_raises_corrupt(q8, lossless_stream):
+    f, h, w = q8[1].shape
+    with pytest.raises(CorruptChunk, match="decoded frame"):
+        Hevc().decode(lossless_stream, (f, h, w + 8))
+    with pytest.raises(CorruptChunk, match="frames"):
+        Hevc().decode(lossless_stream, (f + 1, h, w))
+
+
+def _rewrap(data: bytes, payload: bytes) -> bytes:
+    """The same chunk with another payload, its section digests recomputed (as a store would
+    serve a bitstream damaged before it was wrapped)."""
+    chunk = container.parse(data)
+    chunk.sections["payload"] = payload
+    return chunk.to_bytes()
+
+
+@pytest.mark.parametrize("damage", ["garble", "cut-0.9", "cut-0.99"])
+def test_damaged_bitstream_that_still_decodes_is_caught_by_the_planes_digest(damage, kv):
+    scheme = get_scheme("lossless8")
+    data = ChunkEncoder(scheme, "model-x").encode(kv, "k0", 0, 0)
+    payload = bytearray(container.parse(data).sections["payload"])
+    if damage == "garble":
+        for i in range(200, len(payload), 50):
+            payload[i] ^= 0xFF
+    else:
+        payload = payload[: int(len(payload) * float(damage.split("-")[1]))]
+    with pytest.raises(CorruptChunk):
+        ChunkDecoder("model-x").decode(_rewrap(data, bytes(payload)), key="k0")
+
+
+def test_make_decoder_names():
+    assert isinstance(make_decoder("pyav"), PyAVDecoder)
+    # "auto" falls back to software here when NVDEC cannot be opened
+    assert make_decoder("auto").name in ("pyav", "nvdec")
+    with pytest.raises(Unsupported, match="nvdec, pyav"):
+        make_decoder("vaapi")
+
+
+def test_hevc_decoder_is_made_once_and_released_by_close(q8, lossless_stream):
+    codec = Hevc(decoder="pyav")
+    first = codec.decoder
+    codec.decode(lossless_stream, q8[1].shape)
+    assert codec.decoder is first
+    codec.close()
+    assert codec._decoder is None

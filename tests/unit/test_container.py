@@ -1,0 +1,146 @@
+"""The chunk container (kvcodec.container): every byte is covered by a check."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from kvcodec import container
+from kvcodec.container import FORMAT_VERSION, MAGIC, Container
+from kvcodec.errors import CorruptChunk, ForeignChunk
+
+PREFIX = struct.Struct("<4sHI")
+
+
+def _sample() -> Container:
+    return Container(
+        {"model_id": "m", "key": "ab/cd/ef", "geometry": {"layers": 1, "kv_heads": 2, "head_dim": 8, "tokens": 16},
+         "planes_shape": [2, 16, 16], "note": "x"},
+        {"q8_min": bytes(range(16)), "q8_step": b"\x01\x02\x03", "empty": b"", "payload": bytes(range(200, 256)) * 2},
+    )
+
+
+def _header_span(data: bytes) -> tuple:
+    _, _, n = PREFIX.unpack_from(data)
+    return PREFIX.size, PREFIX.size + n
+
+
+def test_round_trip_keeps_header_and_sections():
+    c = _sample()
+    data = c.to_bytes()
+    assert data[:4] == MAGIC
+    back = container.parse(data)
+    assert back.header == c.header
+    assert back.sections == c.sections
+    assert list(back.sections) == list(c.sections)  # order kept
+    assert back.to_bytes() == data
+
+
+def test_parse_accepts_bytearray_and_memoryview():
+    data = _sample().to_bytes()
+    assert container.parse(bytearray(data)).sections == _sample().sections
+    assert container.parse(memoryview(data)).header == _sample().header
+
+
+@pytest.mark.parametrize("mask", [0x01, 0x80, 0xFF])
+def test_flipping_any_byte_after_the_version_raises_corrupt(mask):
+    data = _sample().to_bytes()
+    version_bytes = range(4, 6)
+    for i in range(len(data)):
+        if i in version_bytes:
+            continue
+        bad = bytearray(data)
+        bad[i] ^= mask
+        with pytest.raises(CorruptChunk):
+            container.parse(bytes(bad))
+            pytest.fail(f"flipping byte {i} (mask {mask:#x}) of {len(data)} was not detected")
+
+
+def test_flipping_a_section_byte_names_the_section():
+    c = _sample()
+    data = bytearray(c.to_bytes())
+    data[-1] ^= 0x01  # last byte of the last section, "payload"
+    with pytest.raises(CorruptChunk, match="payload"):
+        container.parse(bytes(data))
+
+
+def test_flipping_a_header_value_is_a_checksum_mismatch():
+    data = _sample().to_bytes()
+    start, end = _header_span(data)
+    header = data[start:end]
+    pos = header.index(b'"note": "x"') + len(b'"note": "')
+    bad = bytearray(data)
+    bad[start + pos] = ord("y")  # still valid JSON, different value
+    with pytest.raises(CorruptChunk, match="header checksum"):
+        container.parse(bytes(bad))
+
+
+def test_every_truncation_raises_corrupt():
+    data = _sample().to_bytes()
+    for n in range(len(data)):
+        with pytest.raises(CorruptChunk):
+            container.parse(data[:n])
+            pytest.fail(f"truncation to {n} of {len(data)} bytes was not detected")
+
+
+@pytest.mark.parametrize("extra", [b"\x00", b"KVCC", b"x" * 100])
+def test_trailing_bytes_raise_corrupt(extra):
+    with pytest.raises(CorruptChunk, match="trailing"):
+        container.parse(_sample().to_bytes() + extra)
+
+
+@pytest.mark.parametrize("magic", [b"KVCD", b"\x00\x00\x00\x00", b"kvcc"])
+def test_bad_magic_raises_corrupt(magic):
+    data = _sample().to_bytes()
+    with pytest.raises(CorruptChunk, match="magic"):
+        container.parse(magic + data[4:])
+
+
+@pytest.mark.parametrize("version", [0, FORMAT_VERSION + 1, 0xFFFF])
+def test_another_format_version_is_foreign(version):
+    data = _sample().to_bytes()
+    _, _, n = PREFIX.unpack_from(data)
+    other = PREFIX.pack(MAGIC, version, n) + data[PREFIX.size:]
+    with pytest.raises(ForeignChunk, match="version"):
+        container.parse(other)
+
+
+def test_header_length_out_of_range_raises_corrupt():
+    data = _sample().to_bytes()
+    with pytest.raises(CorruptChunk):
+        container.parse(PREFIX.pack(MAGIC, FORMAT_VERSION, len(data)) + data[PREFIX.size:])
+    with pytest.raises(CorruptChunk):
+        container.parse(PREFIX.pack(MAGIC, FORMAT_VERSION, 0xFFFFFFFF) + data[PREFIX.size:])
+
+
+def test_header_that_is_not_json_raises_corrupt():
+    blob = b"not json at all"
+    with pytest.raises(CorruptChunk, match="unreadable"):
+        container.parse(PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)) + blob)
+    blob = json.dumps({"no": "sections"}).encode()
+    with pytest.raises(CorruptChunk, match="unreadable"):
+        container.parse(PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)) + blob)
+
+
+def test_expect_raises_foreign_on_mismatch_and_passes_on_match():
+    c = container.parse(_sample().to_bytes())
+    c.expect(model_id="m", key="ab/cd/ef")
+    with pytest.raises(ForeignChunk, match="model_id"):
+        c.expect(model_id="other")
+    with pytest.raises(ForeignChunk, match="key"):
+        c.expect(model_id="m", key="ab/cd/00")
+    with pytest.raises(ForeignChunk, match="missing_field"):
+        c.expect(missing_field=1)
+
+
+def test_without_drops_a_section_and_still_round_trips():
+    c = _sample()
+    light = c.without("payload")
+    assert "payload" not in light.sections
+    assert set(light.sections) == {"q8_min", "q8_step", "empty"}
+    assert "payload" in c.sections  # the original is untouched
+    back = container.parse(light.to_bytes())
+    assert back.header == c.header
+    assert back.sections == {k: v for k, v in c.sections.items() if k != "payload"}
+    assert container.parse(c.without("payload", "q8_min", "q8_step", "empty").to_bytes()).sections == {}

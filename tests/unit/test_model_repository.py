@@ -1,0 +1,106 @@
+"""The Triton model repository, checked with Triton's own protobuf schema, and the ensemble's wiring."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
+ENSEMBLE = "kvcodec"
+TYPE_NAME = model_config_pb2.DataType.Name
+
+
+def _load(path: Path):
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def configs():
+    found = {p.parent.name: _load(p) for p in sorted(REPO.glob("*/config.pbtxt"))}
+    assert found, f"no config.pbtxt under {REPO}"
+    return found
+
+
+def _io(cfg):
+    ins = {t.name: t for t in cfg.input}
+    outs = {t.name: t for t in cfg.output}
+    return ins, outs
+
+
+def _sig(t):
+    return TYPE_NAME(t.data_type), list(t.dims)
+
+
+def test_every_config_parses_and_is_named_after_its_folder(configs):
+    assert set(configs) == {"kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm"}
+    for folder, cfg in configs.items():
+        assert cfg.name == folder
+        ins, outs = _io(cfg)
+        assert len(ins) == len(cfg.input) and len(outs) == len(cfg.output), f"{folder}: duplicate tensor names"
+        for t in list(cfg.input) + list(cfg.output):
+            assert t.data_type != model_config_pb2.TYPE_INVALID, f"{folder}.{t.name} has no data_type"
+            assert len(t.dims) > 0, f"{folder}.{t.name} has no dims"
+
+
+def test_each_model_is_a_python_model_with_its_model_py(configs):
+    for name, cfg in configs.items():
+        if name == ENSEMBLE:
+            assert cfg.platform == "ensemble"
+            continue
+        assert cfg.backend == "python", f"{name}: backend {cfg.backend!r}"
+        assert (REPO / name / "1" / "model.py").is_file(), f"{name}/1/model.py is missing"
+
+
+def test_fetch_and_llm_are_decoupled(configs):
+    steps = {s.model_name for s in configs[ENSEMBLE].ensemble_scheduling.step}
+    for name in ("kv_fetch", "llm"):
+        assert name in steps
+        assert configs[name].model_transaction_policy.decoupled, f"{name} must be decoupled"
+    for name in ("kv_decode", "kv_restore"):
+        assert not configs[name].model_transaction_policy.decoupled
+
+
+def test_ensemble_wiring(configs):
+    ens = configs[ENSEMBLE]
+    ens_in, ens_out = _io(ens)
+    steps = list(ens.ensemble_scheduling.step)
+    assert [s.model_name for s in steps] == ["kv_fetch", "kv_decode", "kv_restore", "llm"]
+    # tensor name inside the ensemble -> (data type, dims) of whoever produces it
+    available = {name: _sig(t) for name, t in ens_in.items()}
+    produced_by = {}
+    for step in steps:
+        assert step.model_name in configs, f"step model {step.model_name!r} is not in the repository"
+        model_in, model_out = _io(configs[step.model_name])
+        assert set(step.input_map) == set(model_in), (
+            f"{step.model_name}: input_map keys {sorted(step.input_map)} != model inputs {sorted(model_in)}")
+        for key, tensor in step.input_map.items():
+            assert tensor in available, (
+                f"{step.model_name}.{key} reads {tensor!r}, which is neither an ensemble input nor an earlier output")
+            assert available[tensor] == _sig(model_in[key]), (
+                f"{step.model_name}.{key}: {tensor!r} is {available[tensor]}, the model takes {_sig(model_in[key])}")
+        for key, tensor in step.output_map.items():
+            assert key in model_out, f"{step.model_name}: output_map key {key!r} is not an output of the model"
+            assert tensor not in available, f"{tensor!r} is produced twice ({step.model_name})"
+            available[tensor] = _sig(model_out[key])
+            produced_by[tensor] = step.model_name
+    for name, t in ens_out.items():
+        assert name in produced_by, f"ensemble output {name!r} is produced by no step"
+        assert available[name][0] == TYPE_NAME(t.data_type), f"ensemble output {name!r}: {available[name]} vs {_sig(t)}"
+    # every intermediate tensor is consumed by some later step
+    consumed = {v for s in steps for v in s.input_map.values()}
+    unused = sorted(set(produced_by) - consumed - set(ens_out))
+    assert not unused, f"produced but never used: {unused}"
+
+
+def test_ensemble_input_types(configs):
+    ens_in, ens_out = _io(configs[ENSEMBLE])
+    assert {n: TYPE_NAME(t.data_type) for n, t in ens_in.items()} == {
+        "input_ids": "TYPE_INT32", "max_tokens": "TYPE_INT32", "reuse": "TYPE_BOOL"}
+    assert TYPE_NAME(ens_out["stats"].data_type) == "TYPE_STRING"
+
+
+def test_max_batch_size_is_zero_everywhere(configs):
+    """The shapes above are written without a batch dimension."""
+    assert {n: c.max_batch_size for n, c in configs.items()} == dict.fromkeys(configs, 0)

@@ -1,0 +1,115 @@
+"""Typed settings (kvcodec.settings): explicit, then environment, then default."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcodec.errors import ConfigError
+from kvcodec.settings import Settings
+
+
+def test_defaults(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s = Settings.load(env={})
+    home = (tmp_path / ".cache").resolve()
+    assert s.home == home
+    assert s.store == f"file://{home / 'store'}"
+    assert s.model_cache == home / "models"
+    assert s.codecs == ("lossless8", "video", "int8-zstd", "raw")
+    assert (s.chunk_tokens, s.threads, s.decoder) == (256, 0, "pyav")
+
+
+def test_home_moves_the_store_and_model_cache(tmp_path):
+    s = Settings.load(env={"KVCODEC_HOME": str(tmp_path / "h")})
+    assert s.home == (tmp_path / "h").resolve()
+    assert s.store == f"file://{s.home / 'store'}" and s.model_cache == s.home / "models"
+
+
+@pytest.mark.parametrize("name, explicit, env, default", [
+    ("chunk_tokens", "512", "128", 256),
+    ("threads", "3", "2", 0),
+    ("decoder", "auto", "nvdec", "pyav"),
+    ("store", "memory://x", "file:///tmp/env-store", None),
+    ("codecs", "raw", "int8-zstd,video", None),
+])
+def test_explicit_beats_env_beats_default(name, explicit, env, default, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env_var = {f"KVCODEC_{name.upper()}": env}
+
+    def value(s):
+        v = getattr(s, name)
+        return ",".join(v) if name == "codecs" else v
+
+    def typed(text):
+        return int(text) if name in ("chunk_tokens", "threads") else text
+
+    assert value(Settings.load({name: explicit}, env=env_var)) == typed(explicit)
+    assert value(Settings.load({}, env=env_var)) == typed(env)
+    if default is not None:
+        assert value(Settings.load({}, env={})) == default
+    # an empty explicit value means "not given"
+    assert value(Settings.load({name: ""}, env=env_var)) == typed(env)
+    assert value(Settings.load({name: None}, env=env_var)) == typed(env)
+
+
+def test_the_process_environment_is_the_default_env(monkeypatch):
+    monkeypatch.setenv("KVCODEC_CHUNK_TOKENS", "64")
+    assert Settings.load().chunk_tokens == 64
+    assert Settings.load(env={}).chunk_tokens == 256
+
+
+def test_unknown_key_raises_naming_it():
+    with pytest.raises(ConfigError, match="chunk_tokns") as err:
+        Settings.load({"chunk_tokns": "256"}, env={})
+    assert "chunk_tokens" in str(err.value)  # and lists the known ones
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("chunk_tokens", "abc", "chunk_tokens must be an integer, got 'abc'"),
+    ("chunk_tokens", "4", "chunk_tokens must be >= 8, got 4"),
+    ("chunk_tokens", "0", "chunk_tokens"),
+    ("chunk_tokens", "-256", "chunk_tokens"),
+    ("chunk_tokens", "100", "multiple of 8, got 100"),
+    ("chunk_tokens", "2.5e2", "chunk_tokens"),
+    ("threads", "-1", "threads must be >= 0, got -1"),
+    ("threads", "two", "threads must be an integer, got 'two'"),
+    ("decoder", "cuda", "decoder must be one of pyav, nvdec, auto, got 'cuda'"),
+    ("decoder", "PYAV", "'PYAV'"),
+    ("codecs", "lossless8,h266", "codecs: 'h266' is unknown"),
+    ("codecs", "LOSSLESS8", "'LOSSLESS8'"),
+])
+def test_bad_values_raise_config_error_naming_field_and_value(name, value, match):
+    with pytest.raises(ConfigError, match=match):
+        Settings.load({name: value}, env={})
+    with pytest.raises(ConfigError, match=match):
+        Settings.load({}, env={f"KVCODEC_{name.upper()}": value})
+
+
+@pytest.mark.parametrize("value", [",", " , "])
+def test_an_empty_codec_list_raises_config_error(value):
+    with pytest.raises(ConfigError, match="codecs"):
+        Settings.load({"codecs": value}, env={})
+
+
+def test_codecs_list_is_stripped_and_ordered():
+    assert Settings.load({"codecs": " raw , lossless8 ,"}, env={}).codecs == ("raw", "lossless8")
+
+
+def test_environ_round_trips_through_load(tmp_path):
+    s = Settings.load({"home": str(tmp_path / "h"), "store": "memory://rt", "codecs": "raw,video",
+                       "chunk_tokens": "128", "threads": "2", "decoder": "auto"}, env={})
+    env = s.environ()
+    assert set(env) == {f"KVCODEC_{n}" for n in
+                        ("HOME", "STORE", "MODEL_CACHE", "CODECS", "CHUNK_TOKENS", "THREADS", "DECODER")}
+    assert all(isinstance(v, str) for v in env.values())
+    assert Settings.load(env=env) == s
+    defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})
+    assert Settings.load(env=defaults.environ()) == defaults
+
+
+def test_settings_are_frozen(tmp_path):
+    s = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})
+    with pytest.raises(AttributeError):
+        s.chunk_tokens = 8  # type: ignore[misc]
+    assert isinstance(s.home, Path)
