@@ -2,9 +2,9 @@
 Triton's generate_stream endpoint: reuse gives full prefill's tokens, and every fault falls back."""
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
-import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcodec.engines.model_files import ensure_model
 from kvcodec.keys import chunk_keys
 from kvcodec.schemes import get_scheme
 from kvcodec_client import ClientError, KVCodecClient
@@ -76,9 +77,21 @@ def test_unseen_prompt_is_full_prefill(grpc, tokenizer):
     assert result.tokens == grpc.generate(ids, 4, reuse=False).tokens
 
 
-def _chunk_path(settings, model_id, ids, index, codec="lossless8") -> Path:
+def _chunk_path(settings, ids, index, codec="lossless8") -> Path:
+    model_id = ensure_model(settings.model_cache).model_id
     key = chunk_keys(ids, model_id, get_scheme(codec).identity, settings.chunk_tokens)[index]
     return Path(settings.store.removeprefix("file://")) / f"{key}.kvc"
+
+
+@contextlib.contextmanager
+def replaced(path: Path, data: bytes):
+    """The stored chunk at ``path`` holds ``data`` inside the block, its own bytes after it."""
+    original = path.read_bytes()
+    path.write_bytes(data)
+    try:
+        yield
+    finally:
+        path.write_bytes(original)
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +104,12 @@ def context_b(settings, tokenizer, grpc, tmp_path_factory):
 
 
 def test_corrupt_chunk_is_a_miss_from_there_on(settings, grpc, context_b):
-    from kvcodec.engines.model_files import ensure_model
-
     ids, prefill = context_b
-    path = _chunk_path(settings, ensure_model(settings.model_cache).model_id, ids, 1)
-    original = path.read_bytes()
-    damaged = bytearray(original)
+    path = _chunk_path(settings, ids, 1)
+    damaged = bytearray(path.read_bytes())
     damaged[len(damaged) // 2] ^= 0x40
-    path.write_bytes(bytes(damaged))
-    try:
+    with replaced(path, bytes(damaged)):
         result = grpc.generate(ids, MAX_TOKENS, reuse=True)
-    finally:
-        path.write_bytes(original)
     assert result.reused_tokens == 256
     assert "chunk 1: corrupt" in result.stats["miss_reason"]
     assert result.tokens == prefill.tokens
@@ -111,17 +118,9 @@ def test_corrupt_chunk_is_a_miss_from_there_on(settings, grpc, context_b):
 
 
 def test_chunk_under_the_wrong_key_is_never_used(settings, grpc, context_b):
-    from kvcodec.engines.model_files import ensure_model
-
     ids, prefill = context_b
-    model_id = ensure_model(settings.model_cache).model_id
-    first, second = _chunk_path(settings, model_id, ids, 0), _chunk_path(settings, model_id, ids, 1)
-    original = second.read_bytes()
-    shutil.copyfile(first, second)
-    try:
+    with replaced(_chunk_path(settings, ids, 1), _chunk_path(settings, ids, 0).read_bytes()):
         result = grpc.generate(ids, MAX_TOKENS, reuse=True)
-    finally:
-        second.write_bytes(original)
     assert result.reused_tokens == 256
     assert "chunk 1: foreign" in result.stats["miss_reason"]
     assert result.tokens == prefill.tokens
