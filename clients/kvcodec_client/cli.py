@@ -1,8 +1,9 @@
-"""The ``kvcodec`` command: serve, ingest, generate, demo.
+"""The ``kvcodec`` command: serve, ingest, generate, eval, demo.
 
     kvcodec serve    [--store URL] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
     kvcodec ingest   --text-file F [--codec lossless8] [--quality Q] [--store URL]
     kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
+    kvcodec eval     --text-file F --prefix-tokens P --continuation-tokens C --codec NAME [--quality Q] [--json]
     kvcodec demo     [--json perf/results/demo.json]
 
 Settings not given as flags come from ``KVCODEC_*`` variables, then defaults (see
@@ -131,6 +132,26 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from kvcodec.engines.model_files import ensure_model
+    from kvcodec.engines.transformers_engine import TransformersEngine
+    from kvcodec.evaluate import evaluate
+    from kvcodec.schemes import get_scheme
+
+    settings = _settings(args)
+    scheme = get_scheme(args.codec, args.quality)
+    engine = TransformersEngine(ensure_model(settings.model_cache), threads=settings.threads or None)
+    ids = engine.tokenize(_read_text(args.text_file))
+    result = evaluate(engine, ids, args.prefix_tokens, args.continuation_tokens, scheme, settings.chunk_tokens)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(f"{scheme.name}: {result.ratio_vs_fp16:.2f}x vs fp16, top-1 {result.top1_agreement:.3f}, "
+              f"mean KL {result.mean_kl:.5f}, greedy {result.greedy_match_tokens}/{result.greedy_tokens}, "
+              f"encode {result.encode_s:.2f} s, decode {result.decode_s:.2f} s")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kvcodec_client.demo import run_demo
 
@@ -177,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reuse", action="store_true", help="force full prefill")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="what a codec does to the model: top-1, KL, greedy match, ratio")
+    common(p)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--codec", default="video")
+    p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("demo", help="ingest a text, compare TTFT with and without reuse, write JSON")
     common(p)

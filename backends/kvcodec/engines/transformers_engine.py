@@ -71,6 +71,27 @@ class TransformersEngine:
                 self.model(input_ids=x, past_key_values=cache, use_cache=True)
                 yield self._cache_to_numpy(cache, start, start + chunk_tokens)
 
+    def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+        """Log-probabilities ``[len(ids), vocab]`` of the next token after each of ``ids``, run on
+        ``past_kv`` (the KV of the tokens before them), teacher-forced."""
+        torch = self._torch
+        cache = self._cache_from(past_kv)
+        x = torch.tensor([list(ids)], device=self.device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+
+    def _cache_from(self, past_kv: np.ndarray):
+        want = self.geometry(past_kv.shape[3]).shape
+        if tuple(past_kv.shape) != want:
+            raise BadRequest(f"restored KV has shape {tuple(past_kv.shape)}, the model needs {want}")
+        torch = self._torch
+        cache = self._new_cache()
+        kv = torch.from_numpy(np.ascontiguousarray(past_kv)).to(self.device, torch.float32)
+        for layer in range(self.layers):
+            cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
+        return cache
+
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None) -> Iterator[int]:
         torch = self._torch
         if len(ids) == 0:
@@ -78,15 +99,10 @@ class TransformersEngine:
         cache = self._new_cache()
         start = 0
         if past_kv is not None and past_kv.shape[3] > 0:
-            want = self.geometry(past_kv.shape[3]).shape
-            if tuple(past_kv.shape) != want:
-                raise BadRequest(f"restored KV has shape {tuple(past_kv.shape)}, the model needs {want}")
             start = past_kv.shape[3]
             if start >= len(ids):
                 raise BadRequest("restored KV covers the whole prompt; at least one token must be computed")
-            kv = torch.from_numpy(np.ascontiguousarray(past_kv)).to(self.device, torch.float32)
-            for layer in range(self.layers):
-                cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
+            cache = self._cache_from(past_kv)
         x = torch.tensor([list(ids[start:])], device=self.device)
         with torch.inference_mode():
             for _ in range(max_tokens):

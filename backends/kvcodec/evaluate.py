@@ -1,0 +1,79 @@
+"""The quality harness: what a codec does to the model's behaviour.
+
+``evaluate(engine, ids, prefix_tokens, continuation_tokens, scheme)`` takes the KV of the first
+``prefix_tokens`` of ``ids`` (a multiple of the chunk size), passes it through the codec chunk by
+chunk (encode, decode, restore), and compares the model run on the restored KV with the run on
+the original KV:
+
+- over the next ``continuation_tokens`` tokens of ``ids``, teacher-forced: ``top1_agreement``
+  (share of positions whose argmax matches) and ``mean_kl`` (mean KL(original || restored) of the
+  next-token distributions);
+- ``greedy_match_tokens``: how many of ``greedy_tokens`` greedy tokens generated after the prefix
+  (the first continuation token computed on top of it) agree before the first difference;
+- ``ratio_vs_fp16`` (fp16 KV bytes / stored bytes), ``encode_s``, ``decode_s`` (decode + restore).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .chunk import ChunkDecoder, ChunkEncoder, restore
+from .errors import BadRequest
+from .schemes import Scheme
+
+
+@dataclass
+class EvalResult:
+    codec: str
+    codec_id: str
+    prefix_tokens: int
+    continuation_tokens: int
+    ratio_vs_fp16: float
+    top1_agreement: float
+    mean_kl: float
+    greedy_match_tokens: int
+    greedy_tokens: int
+    encode_s: float
+    decode_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def evaluate(engine, ids: Sequence[int], prefix_tokens: int, continuation_tokens: int, scheme: Scheme,
+             chunk_tokens: int = 256, greedy_tokens: int = 32) -> EvalResult:
+    if prefix_tokens <= 0 or prefix_tokens % chunk_tokens:
+        raise BadRequest(f"prefix_tokens must be a positive multiple of {chunk_tokens}, got {prefix_tokens}")
+    if continuation_tokens < 1:
+        raise BadRequest(f"continuation_tokens must be at least 1, got {continuation_tokens}")
+    if len(ids) < prefix_tokens + continuation_tokens:
+        raise BadRequest(f"the text has {len(ids)} tokens, fewer than prefix + continuation "
+                         f"({prefix_tokens} + {continuation_tokens})")
+    prefix = list(ids[:prefix_tokens])
+    continuation = list(ids[prefix_tokens:prefix_tokens + continuation_tokens])
+    original = list(engine.prefill_chunks(prefix, chunk_tokens))
+    encoder = ChunkEncoder(scheme, engine.model_id)
+    decoder = ChunkDecoder(engine.model_id)
+    t0 = time.perf_counter()
+    blobs = [encoder.encode(kv, f"eval{i}", i, i * chunk_tokens) for i, kv in enumerate(original)]
+    t1 = time.perf_counter()
+    restored = [restore(d.header, d.planes) for d in (decoder.decode(b, key=f"eval{i}") for i, b in enumerate(blobs))]
+    t2 = time.perf_counter()
+    decoder.close()
+    past_ref = np.concatenate(original, axis=3)
+    past_new = np.concatenate(restored, axis=3)
+    ref = engine.continuation_logprobs(past_ref, continuation)
+    new = engine.continuation_logprobs(past_new, continuation)
+    top1 = float(np.mean(ref.argmax(-1) == new.argmax(-1)))
+    kl = float(np.mean(np.sum(np.exp(ref) * (ref - new), axis=-1)))
+    seed = prefix + continuation[:1]
+    greedy_ref = list(engine.stream(seed, greedy_tokens, past_ref))
+    greedy_new = list(engine.stream(seed, greedy_tokens, past_new))
+    match = next((i for i, (a, b) in enumerate(zip(greedy_ref, greedy_new)) if a != b), min(len(greedy_ref), len(greedy_new)))
+    fp16 = sum(kv.size * 2 for kv in original)
+    return EvalResult(scheme.name, scheme.identity, prefix_tokens, len(continuation),
+                      round(fp16 / sum(len(b) for b in blobs), 4), round(top1, 4), round(max(kl, 0.0), 6),
+                      int(match), greedy_tokens, round(t1 - t0, 4), round(t2 - t1, 4))
