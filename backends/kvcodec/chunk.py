@@ -10,6 +10,7 @@ model, key or an unknown codec identity); the caller turns either into a miss fr
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
@@ -68,7 +69,9 @@ class ChunkEncoder:
             "planes_shape": list(planes.shape),
         }
         payload = self.codec.encode(planes)
+        t0 = time.perf_counter()
         decoded = self.codec.decode(payload, planes.shape)
+        self.last_decode_s = time.perf_counter() - t0  # what a reader on this machine pays (costs.py)
         if self.codec.lossless and not np.array_equal(decoded, planes):
             raise RuntimeError(f"{self.scheme.name}: the lossless codec did not return its planes exactly")
         # The digest of what a decoder must return: it catches a damaged bitstream that still

@@ -6,7 +6,7 @@ string. ``count == 0`` marks a request with nothing to reuse (one record is stil
 model step runs).
 
 Status values: ``ok``; ``none`` (nothing stored or reuse disabled); ``miss`` (gone between lookup
-and fetch); ``corrupt`` (checksum, header or decode failed); ``foreign`` (another model, codec or
+and fetch); ``recompute`` (the fetcher found computing the rest faster than fetching it); ``corrupt`` (checksum, header or decode failed); ``foreign`` (another model, codec or
 key); ``error`` (anything else on the server). Anything but ``ok`` is a miss from that chunk on.
 """
 from __future__ import annotations
@@ -28,10 +28,12 @@ class ChunkInfo:
     status: str = OK
     reason: str = ""
     scheme: str = ""
+    scheme_id: str = ""  # the scheme's full identity (name, versions, settings)
     key: str = ""
     bytes: int = 0
     token_start: int = 0
     tokens: int = 0
+    choice: str = ""  # the adaptive fetcher's estimates, best first, for this chunk
     t: Dict[str, float] = field(default_factory=dict)  # wall-clock stamps: request, sent, received, decoded, restored
     s: Dict[str, float] = field(default_factory=dict)  # seconds spent: fetch, decode, restore
 

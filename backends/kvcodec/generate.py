@@ -27,10 +27,10 @@ def generate(engine, ids: Sequence[int], max_tokens: int, assembled: Assembled) 
     stats = assembled.stats()
     stats["prompt_tokens"] = len(ids)
     past = assembled.past_kv
-    if past is not None and past.shape[3] >= len(ids):
-        past, stats["reused_tokens"], stats["miss_reason"] = None, 0, "restored KV covers the whole prompt"
-    if past is not None and tuple(past.shape) != engine.geometry(past.shape[3]).shape:
-        past, stats["reused_tokens"], stats["miss_reason"] = None, 0, "restored KV does not fit this model"
+    why = _unusable(engine, past, len(ids))
+    if why:
+        past, stats["reused_tokens"], stats["miss_reason"] = None, 0, why
+    stats["computed_tokens"] = len(ids) - stats["reused_tokens"]
     t0 = time.perf_counter()
     tokens: List[int] = []
     text = ""
@@ -44,6 +44,10 @@ def generate(engine, ids: Sequence[int], max_tokens: int, assembled: Assembled) 
         now = time.perf_counter()
         if len(tokens) == 1:
             stats["compute_first_token_s"] = round(now - t0, 6)
+            pipe = stats.get("pipeline") or {}
+            if pipe.get("bound_s"):
+                # The pipeline bound: the slowest stage's total plus the first-token compute.
+                pipe["bound_with_compute_s"] = round(pipe["bound_s"] + stats["compute_first_token_s"], 6)
             if stats.get("t_request"):
                 stats["server_ttft_s"] = round(time.time() - stats["t_request"], 6)
             pending = Event(token, delta, False, dict(stats, final=False))
@@ -56,3 +60,14 @@ def generate(engine, ids: Sequence[int], max_tokens: int, assembled: Assembled) 
     pending.final = True
     pending.stats = dict(stats, final=True)
     yield pending
+
+
+def _unusable(engine, past, n_ids: int) -> str:
+    """Why restored KV cannot be used for this prompt ('' when it can)."""
+    if past is None:
+        return ""
+    if past.shape[3] >= n_ids:
+        return "restored KV covers the whole prompt"
+    if tuple(past.shape) != engine.geometry(past.shape[3]).shape:
+        return "restored KV does not fit this model"
+    return ""

@@ -1,18 +1,36 @@
 """Ingest: prefill a context once and store its KV, chunk by chunk, under prefix-chained keys.
 
-Chunks already in the store are not written again; when every chunk is there, prefill is skipped.
-Only full chunks are stored (the tail of a context is recomputed at request time).
+Each chunk is stored once per rung of the ladder given (several quality levels let the fetcher
+adapt to the link); the context is prefilled once for all of them. Chunks already in the store are
+not written again; when every chunk of every rung is there, prefill is skipped. Only full chunks
+are stored (the tail of a context is recomputed at request time). What it measures (bytes and
+decode time per rung, prefill time) goes to the cost model the serving fetcher reads.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .chunk import ChunkEncoder
+from .costs import CostModel
 from .keys import chunk_keys
+from .ladder import rung_name
 from .schemes import Scheme
 from .store import KVStore
+
+
+@dataclass
+class RungReport:
+    written: int = 0
+    bytes_written: int = 0
+    fp16_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def ratio_vs_fp16(self) -> float:
+        return self.fp16_bytes / self.bytes_written if self.bytes_written else 0.0
 
 
 @dataclass
@@ -24,34 +42,53 @@ class IngestReport:
     fp16_bytes: int
     prefill_s: float
     encode_s: float
+    rungs: Dict[str, RungReport] = field(default_factory=dict)
 
     @property
     def ratio_vs_fp16(self) -> float:
         return self.fp16_bytes / self.bytes_written if self.bytes_written else 0.0
 
 
-def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Scheme, chunk_tokens: int,
-           threads: int = 1, progress: Optional[Callable[[int], None]] = None) -> IngestReport:
-    """Store every full chunk of ``token_ids``; ``progress(n)`` is called as each chunk is done."""
-    keys = chunk_keys(token_ids, engine.model_id, scheme.identity, chunk_tokens)
-    report = IngestReport(len(token_ids), len(keys), 0, 0, 0, 0.0, 0.0)
-    if all(store.exists(k) for k in keys):
+def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Scheme, Sequence[Scheme]],
+           chunk_tokens: int, threads: int = 1, progress: Optional[Callable[[int], None]] = None,
+           costs: Optional[CostModel] = None) -> IngestReport:
+    """Store every full chunk of ``token_ids`` for each scheme; ``progress(n)`` is called as each
+    chunk is done (all its rungs)."""
+    schemes: List[Scheme] = [scheme] if isinstance(scheme, Scheme) else list(scheme)
+    keys = {s.identity: chunk_keys(token_ids, engine.model_id, s.identity, chunk_tokens) for s in schemes}
+    n_chunks = len(token_ids) // chunk_tokens
+    report = IngestReport(len(token_ids), n_chunks, 0, 0, 0, 0.0, 0.0,
+                          {rung_name(s): RungReport() for s in schemes})
+    if all(store.exists(k) for ks in keys.values() for k in ks):
         if progress:
-            progress(len(keys))
+            progress(n_chunks)
         return report
-    encoder = ChunkEncoder(scheme, engine.model_id, threads=threads)
+    encoders = {s.identity: ChunkEncoder(s, engine.model_id, threads=threads) for s in schemes}
     t = time.perf_counter()
     for i, kv in enumerate(engine.prefill_chunks(token_ids, chunk_tokens)):
-        t_enc = time.perf_counter()
-        report.prefill_s += t_enc - t
-        if not store.exists(keys[i]):
-            data = encoder.encode(kv, keys[i], i, i * chunk_tokens)
-            store.put(keys[i], data)
-            report.written += 1
-            report.bytes_written += len(data)
-            report.fp16_bytes += kv.size * 2
+        report.prefill_s += time.perf_counter() - t
+        for s in schemes:
+            key, rung = keys[s.identity][i], report.rungs[rung_name(s)]
+            if store.exists(key):
+                continue
+            t_enc = time.perf_counter()
+            data = encoders[s.identity].encode(kv, key, i, i * chunk_tokens)
+            store.put(key, data)
+            rung.encode_s += time.perf_counter() - t_enc
+            rung.decode_s += encoders[s.identity].last_decode_s
+            rung.written += 1
+            rung.bytes_written += len(data)
+            rung.fp16_bytes += kv.size * 2
+            if costs is not None:
+                costs.observe_rung(s.identity, chunk_tokens, len(data), encoders[s.identity].last_decode_s)
         t = time.perf_counter()
-        report.encode_s += t - t_enc
         if progress:
             progress(1)
+    for rung in report.rungs.values():
+        report.written += rung.written
+        report.bytes_written += rung.bytes_written
+        report.fp16_bytes += rung.fp16_bytes
+        report.encode_s += rung.encode_s
+    if costs is not None and report.prefill_s:
+        costs.observe_prefill(n_chunks * chunk_tokens, report.prefill_s)
     return report

@@ -14,6 +14,9 @@ name the field and the value.
 | chunk_tokens  | KVCODEC_CHUNK_TOKENS   | 256                                     |
 | threads       | KVCODEC_THREADS        | 0 (torch's default)                     |
 | decoder       | KVCODEC_DECODER        | ``pyav`` (``nvdec``, ``auto``)          |
+| adaptive      | KVCODEC_ADAPTIVE       | 1: choose a rung per chunk, recompute when faster (0: first stored rung) |
+| link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
+| deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
 from .errors import ConfigError
+from .ladder import parse_ladder
 from .schemes import DEFAULT_SCHEME, SCHEMES
 
 DECODER_CHOICES = ("pyav", "nvdec", "auto")
@@ -37,6 +41,9 @@ class Settings:
     chunk_tokens: int
     threads: int
     decoder: str
+    adaptive: bool = True
+    link_mbps: float = 1000.0
+    deadline_s: float = 0.0
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -59,9 +66,10 @@ class Settings:
         codecs = tuple(c.strip() for c in (raw("codecs") or ",".join(default_codecs)).split(",") if c.strip())
         if not codecs:
             raise ConfigError(f"codecs names no codec (got {raw('codecs')!r})")
-        for c in codecs:
-            if c not in SCHEMES:
-                raise ConfigError(f"codecs: {c!r} is unknown (known: {', '.join(sorted(SCHEMES))})")
+        try:
+            parse_ladder(codecs)
+        except ConfigError as exc:
+            raise ConfigError(f"codecs: {exc}") from None
         chunk_tokens = _int("chunk_tokens", raw("chunk_tokens") or "256", minimum=8)
         if chunk_tokens % 8:
             raise ConfigError(f"chunk_tokens must be a multiple of 8, got {chunk_tokens}")
@@ -69,7 +77,13 @@ class Settings:
         decoder = raw("decoder") or "pyav"
         if decoder not in DECODER_CHOICES:
             raise ConfigError(f"decoder must be one of {', '.join(DECODER_CHOICES)}, got {decoder!r}")
-        return cls(home, store, model_cache, codecs, chunk_tokens, threads, decoder)
+        adaptive = (raw("adaptive") or "1").lower()
+        if adaptive not in ("0", "1", "true", "false", "yes", "no"):
+            raise ConfigError(f"adaptive must be 0 or 1, got {adaptive!r}")
+        link_mbps = _float("link_mbps", raw("link_mbps") or "1000", minimum=0.001)
+        deadline_s = _float("deadline_s", raw("deadline_s") or "0", minimum=0.0)
+        return cls(home, store, model_cache, codecs, chunk_tokens, threads, decoder,
+                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -81,6 +95,9 @@ class Settings:
             "KVCODEC_CHUNK_TOKENS": str(self.chunk_tokens),
             "KVCODEC_THREADS": str(self.threads),
             "KVCODEC_DECODER": self.decoder,
+            "KVCODEC_ADAPTIVE": "1" if self.adaptive else "0",
+            "KVCODEC_LINK_MBPS": repr(self.link_mbps),
+            "KVCODEC_DEADLINE_S": repr(self.deadline_s),
         }
 
 
@@ -92,3 +109,13 @@ def _int(name: str, value: str, minimum: int) -> int:
     if n < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {n}")
     return n
+
+
+def _float(name: str, value: str, minimum: float) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not x >= minimum or x != x or x == float("inf"):
+        raise ConfigError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+    return x

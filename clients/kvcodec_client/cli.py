@@ -1,7 +1,7 @@
 """The ``kvcodec`` command: serve, ingest, generate, eval, demo.
 
     kvcodec serve    [--store URL] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
-    kvcodec ingest   --text-file F [--codec lossless8] [--quality Q] [--store URL]
+    kvcodec ingest   --text-file F [--codec lossless8[,video:12,...]] [--quality Q] [--store URL]
     kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
     kvcodec eval     --text-file F --prefix-tokens P --continuation-tokens C --codec NAME [--quality Q] [--json]
     kvcodec demo     [--json perf/results/demo.json]
@@ -78,33 +78,49 @@ def cmd_serve(args) -> int:
 def cmd_ingest(args) -> int:
     from tqdm import tqdm
 
+    from kvcodec.costs import for_settings
     from kvcodec.engines.model_files import ensure_model
     from kvcodec.engines.transformers_engine import TransformersEngine
     from kvcodec.ingest import ingest
+    from kvcodec.ladder import parse_ladder
     from kvcodec.schemes import get_scheme
     from kvcodec.store import open_store
 
     settings = _settings(args)
-    scheme = get_scheme(args.codec, args.quality)
+    if args.quality is not None:
+        if "," in args.codec:
+            raise SystemExit("kvcodec ingest: --quality takes one --codec; name rungs as NAME:QUALITY instead")
+        schemes = [get_scheme(args.codec, args.quality)]
+    else:
+        schemes = parse_ladder(args.codec)
     text = _read_text(args.text_file)
-    engine = TransformersEngine(ensure_model(settings.model_cache), threads=settings.threads or None)
+    files = ensure_model(settings.model_cache)
+    engine = TransformersEngine(files, threads=settings.threads or None)
     ids = engine.tokenize(text)
     n_chunks = len(ids) // settings.chunk_tokens
     if n_chunks == 0:
         print(f"kvcodec ingest: {len(ids)} tokens is less than one chunk ({settings.chunk_tokens}); nothing stored",
               file=sys.stderr)
         return 1
+    costs = for_settings(settings, files.geometry(1).fp16_bytes)
     with open_store(settings.store) as store, tqdm(total=n_chunks, unit="chunk", desc="ingest",
                                                    disable=args.quiet) as bar:
-        report = ingest(engine, store, ids, scheme, settings.chunk_tokens, threads=max(1, settings.threads),
-                        progress=bar.update)
+        report = ingest(engine, store, ids, schemes, settings.chunk_tokens, threads=max(1, settings.threads),
+                        progress=bar.update, costs=costs)
     summary = {"tokens": report.tokens, "chunks": report.chunks, "written": report.written,
                "bytes_written": report.bytes_written, "ratio_vs_fp16": round(report.ratio_vs_fp16, 3),
                "prefill_s": round(report.prefill_s, 3), "encode_s": round(report.encode_s, 3),
-               "codec": scheme.identity, "store": settings.store}
-    print(json.dumps(summary) if args.json else
-          f"ingested {report.tokens} tokens: {report.chunks} chunks ({report.written} new, "
-          f"{report.bytes_written} bytes, {report.ratio_vs_fp16:.2f}x vs fp16) with {scheme.name} into {settings.store}")
+               "codec": schemes[0].identity if len(schemes) == 1 else [s.identity for s in schemes],
+               "rungs": {name: {"written": r.written, "bytes_written": r.bytes_written,
+                                "ratio_vs_fp16": round(r.ratio_vs_fp16, 3), "encode_s": round(r.encode_s, 3),
+                                "decode_s": round(r.decode_s, 3)} for name, r in report.rungs.items()},
+               "store": settings.store}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for name, r in report.rungs.items():
+            print(f"{name}: {r.written} chunks written, {r.bytes_written} bytes, {r.ratio_vs_fp16:.2f}x vs fp16")
+        print(f"ingested {report.tokens} tokens: {report.chunks} chunks into {settings.store}")
     return 0
 
 
@@ -117,7 +133,7 @@ def cmd_generate(args) -> int:
     ids = Tokenizer(ensure_model(settings.model_cache)).encode(_read_text(args.text_file))
     client = KVCodecClient(args.url, args.protocol)
     try:
-        result = client.generate(ids, args.max_tokens, reuse=not args.no_reuse)
+        result = client.generate(ids, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs)
     except (ClientError, ConnectionError, OSError) as exc:
         print(f"kvcodec generate: {exc}", file=sys.stderr)
         return 1
@@ -183,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ingest", help="prefill a text once and store its KV chunks")
     common(p)
     p.add_argument("--text-file", required=True)
-    p.add_argument("--codec", default="lossless8")
+    p.add_argument("--codec", default="lossless8",
+                   help="a rung spec NAME[:QUALITY], or a comma list of them (a ladder, best quality first)")
     p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -196,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     p.add_argument("--no-reuse", action="store_true", help="force full prefill")
+    p.add_argument("--codecs", help="this request only: rung specs to fetch from (default: the server's ladder)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 

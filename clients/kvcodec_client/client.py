@@ -1,10 +1,12 @@
 """Call the ``kvcodec`` ensemble over gRPC (tritonclient streaming) or HTTP (Triton's
 ``generate_stream`` endpoint, server-sent events), and measure time-to-first-token.
 
-``KVCodecClient(url, protocol).generate(token_ids, max_tokens, reuse=True)`` returns a
+``KVCodecClient(url, protocol).generate(token_ids, max_tokens, reuse=True, codecs=None)`` returns a
 ``GenerateResult``: the generated token ids, the text, the TTFT seen by the client (from sending
 the request to the first token's response), the total time, how many prompt tokens the server
-reused, and the server's statistics (JSON of the first and last responses, merged).
+reused, and the server's statistics (JSON of the first and last responses, merged). ``codecs``
+(a comma list of rung specs such as ``raw`` or ``video:12``) restricts the request to those rungs;
+left out, the server's ladder and its adaptive choice apply.
 A request the server refuses raises ``ClientError`` with the server's message and status.
 """
 from __future__ import annotations
@@ -78,12 +80,13 @@ class KVCodecClient:
         self.url = (url or DEFAULT_URLS[protocol]).removeprefix("http://").removeprefix("grpc://")
         self.timeout_s = timeout_s
 
-    def generate(self, token_ids: Sequence[int], max_tokens: int, reuse: bool = True) -> GenerateResult:
+    def generate(self, token_ids: Sequence[int], max_tokens: int, reuse: bool = True,
+                 codecs: Optional[str] = None) -> GenerateResult:
         if self.protocol == "grpc":
-            return self._grpc(token_ids, max_tokens, reuse)
-        return self._http(token_ids, max_tokens, reuse)
+            return self._grpc(token_ids, max_tokens, reuse, codecs)
+        return self._http(token_ids, max_tokens, reuse, codecs)
 
-    def _grpc(self, token_ids, max_tokens, reuse) -> GenerateResult:
+    def _grpc(self, token_ids, max_tokens, reuse, codecs) -> GenerateResult:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -93,6 +96,10 @@ class KVCodecClient:
                                    ("reuse", np.array([reuse], np.bool_), "BOOL")):
             tensor = grpcclient.InferInput(name, list(array.shape), dtype)
             tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        if codecs:
+            tensor = grpcclient.InferInput("codecs", [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([codecs.encode()], dtype=np.object_))
             inputs.append(tensor)
         events: "queue.Queue" = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
@@ -121,10 +128,12 @@ class KVCodecClient:
             client.stop_stream()
             client.close()
 
-    def _http(self, token_ids, max_tokens, reuse) -> GenerateResult:
+    def _http(self, token_ids, max_tokens, reuse, codecs) -> GenerateResult:
         host, _, port = self.url.partition(":")
-        body = json.dumps({"input_ids": [int(t) for t in token_ids], "max_tokens": int(max_tokens),
-                           "reuse": bool(reuse)})
+        request = {"input_ids": [int(t) for t in token_ids], "max_tokens": int(max_tokens), "reuse": bool(reuse)}
+        if codecs:
+            request["codecs"] = codecs
+        body = json.dumps(request)
         conn = http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s)
         try:
             collector = _Collector()

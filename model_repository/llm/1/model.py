@@ -6,6 +6,7 @@ import triton_python_backend_utils as pb_utils
 
 from kvcodec.assembler import Assembler
 from kvcodec.chunkinfo import ChunkInfo
+from kvcodec.costs import for_settings, record_request
 from kvcodec.engines.model_files import ensure_model
 from kvcodec.engines.transformers_engine import TransformersEngine
 from kvcodec.generate import generate
@@ -17,6 +18,7 @@ class TritonPythonModel:
     def initialize(self, args):
         self.settings = Settings.load(model_parameters(args))
         self.engine = TransformersEngine(ensure_model(self.settings.model_cache), threads=self.settings.threads)
+        self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)
         self.assembler = Assembler()
         self.metrics = _Metrics()
 
@@ -35,6 +37,7 @@ class TritonPythonModel:
                 for event in generate(self.engine, ids, max_tokens, assembled):
                     if event.final:
                         self.metrics.record(event.stats)
+                        _safely(record_request, self.costs, event.stats, self.settings.chunk_tokens)
                     sender.send(pb_utils.InferenceResponse([
                         tensor("output_ids", np.array([event.token], np.int32)),
                         text_tensor("text_output", event.text),
@@ -45,6 +48,13 @@ class TritonPythonModel:
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
         return None
+
+
+def _safely(fn, *args):
+    try:
+        fn(*args)
+    except OSError:  # a cost file we cannot write only makes the fetcher's estimates staler
+        pass
 
 
 class _Metrics:

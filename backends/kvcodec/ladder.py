@@ -1,0 +1,50 @@
+"""Rung specs: how users name a codec at a quality, and the ladder a server fetches from.
+
+A rung spec is ``NAME`` or ``NAME:QUALITY`` (``video:12`` is the video codec at QP 12). A ladder
+is a comma list of specs in preference order (best quality first): ingest stores one copy of each
+chunk per rung, and the fetcher chooses a rung per chunk among those stored.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from .errors import ConfigError
+from .schemes import Scheme, get_scheme
+
+
+def parse_rung(spec: str) -> Scheme:
+    spec = spec.strip()
+    name, sep, quality = spec.partition(":")
+    if not name:
+        raise ConfigError(f"empty codec name in {spec!r}")
+    if not sep:
+        return get_scheme(name)
+    try:
+        q = int(quality)
+    except ValueError:
+        raise ConfigError(f"codec {spec!r}: quality must be an integer, got {quality!r}") from None
+    return get_scheme(name, q)
+
+
+def parse_ladder(specs: str | Sequence[str]) -> List[Scheme]:
+    """Schemes of a comma list (or a sequence) of rung specs; duplicates are errors."""
+    items = [s for s in (specs.split(",") if isinstance(specs, str) else specs) if s.strip()]
+    if not items:
+        raise ConfigError(f"no codec named in {specs!r}")
+    out: List[Scheme] = []
+    for spec in items:
+        scheme = parse_rung(spec)
+        if any(s.identity == scheme.identity for s in out):
+            raise ConfigError(f"codec {spec.strip()!r} is named twice")
+        out.append(scheme)
+    return out
+
+
+def rung_name(scheme: Scheme) -> str:
+    """The spec that names ``scheme`` (its quality shown when it is not the default)."""
+    from .schemes import SCHEMES
+
+    base = SCHEMES.get(scheme.name)
+    if base is None or scheme.quality_param is None or base.codec_params == scheme.codec_params:
+        return scheme.name
+    return f"{scheme.name}:{scheme.codec_params[scheme.quality_param]}"
