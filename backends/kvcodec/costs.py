@@ -76,7 +76,8 @@ class CostModel:
     def link(self, store_url: str) -> tuple:
         """(rate in bytes/s, round-trip seconds) of the link to ``store_url``."""
         link = self.data["links"].get(store_url, {})
-        return link.get("rate", self.prior_rate), link.get("rtt_s", 0.0)
+        s_per_byte = link.get("s_per_byte")
+        return (1.0 / s_per_byte if s_per_byte else self.prior_rate), link.get("rtt_s", 0.0)
 
     @property
     def prefill_s_per_token(self) -> float:
@@ -89,7 +90,8 @@ class CostModel:
 
     # -- recording ---------------------------------------------------------------------------
     def observe_transfer(self, store_url: str, nbytes: int, seconds: float, save: bool = True) -> None:
-        """One GET of ``nbytes`` took ``seconds``. Small objects say more about the round trip."""
+        """One GET of ``nbytes`` took ``seconds``. Small objects say more about the round trip.
+        The rate is averaged as seconds per byte, so that one slow transfer moves it at once."""
         if seconds <= 0:
             return
 
@@ -97,7 +99,7 @@ class CostModel:
             link = data["links"].setdefault(store_url, {})
             rtt = link.get("rtt_s", 0.0)
             if nbytes >= 64 * 1024:
-                link["rate"] = _ewma(link.get("rate"), nbytes / max(seconds - rtt, seconds * 0.1))
+                link["s_per_byte"] = _ewma(link.get("s_per_byte"), max(seconds - rtt, seconds * 0.1) / nbytes)
             else:
                 link["rtt_s"] = _ewma(link.get("rtt_s"), seconds)
         self._update(update, save)

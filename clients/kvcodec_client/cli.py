@@ -5,6 +5,7 @@
     kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
     kvcodec eval     --text-file F --prefix-tokens P --continuation-tokens C --codec NAME [--quality Q] [--json]
     kvcodec demo     [--json perf/results/demo.json]
+    kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
 
 Settings not given as flags come from ``KVCODEC_*`` variables, then defaults (see
 ``kvcodec.settings``); the store defaults to ``file://./.cache/store``.
@@ -174,6 +175,25 @@ def cmd_demo(args) -> int:
     return run_demo(_settings(args), Path(args.json), Path(args.model_repository))
 
 
+def _list(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma list of {kind.__name__}: {text!r}") from None
+    return parse
+
+
+def cmd_bench_ttft(args) -> int:
+    from kvcodec_client.bench import BenchConfig, run_bench
+
+    config = BenchConfig(args.bandwidth_mbps, args.context_tokens, args.methods, ladder=args.ladder, runs=args.runs,
+                         prefill_runs=args.prefill_runs, max_tokens=args.max_tokens, delay_ms=args.delay_ms,
+                         link_mode=args.link_mode, threads=args.threads if args.threads is not None else 2)
+    return run_bench(_settings(args), Path(args.model_repository), config, Path(args.json),
+                     Path(args.plot) if args.plot else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcodec", description="KV cache reuse through video codecs on Triton")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +246,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("ttft", help="TTFT of every method against link bandwidth (starts link, store, server)")
+    common(p)
+    from kvcodec_client.bench import DEFAULT_LADDER, METHODS
+
+    p.add_argument("--bandwidth-mbps", type=_list(float), default=[100.0, 1000.0, 10000.0])
+    p.add_argument("--context-tokens", type=_list(int), default=[1024, 4096])
+    p.add_argument("--methods", type=_list(str), default=list(METHODS),
+                   help="prefill, kvcodec (the adaptive ladder), or a rung spec (raw, int8-zstd, cachegen, video, ...)")
+    p.add_argument("--ladder", default=DEFAULT_LADDER, help="the rungs the kvcodec method chooses from")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--prefill-runs", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay of the link")
+    p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "ttft.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "ttft.png"))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_bench_ttft)
 
     p = sub.add_parser("demo", help="ingest a text, compare TTFT with and without reuse, write JSON")
     common(p)
