@@ -82,3 +82,19 @@ def test_library_registries_do_not_import_heavy_modules_until_used():
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"imported at registration: {result.stdout.strip()} {result.stderr[-500:]}"
+
+
+def test_remote_store_schemes_are_registered_lazily():
+    """http/redis/redis+cluster are registered by kvcodec.store; redis is imported at the first command."""
+    import subprocess
+
+    code = ("import sys, kvcodec.store as st; "
+            "assert {'http', 'redis', 'redis+cluster'} <= set(st.STORES.names()); "
+            "loaded = lambda: [m for m in ('redis', 'kvcodec.store.http', 'kvcodec.store.redis_store') "
+            "if m in sys.modules]; "
+            "before = loaded(); "
+            "s = st.open_store('redis+cluster://:pw@127.0.0.1:9'); st.open_store('redis://127.0.0.1:9/0'); "
+            "opened = loaded(); "
+            "print(before, opened); sys.exit(0 if before == [] and 'redis' not in opened else 1)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"imported too early: {result.stdout.strip()} {result.stderr[-500:]}"

@@ -1,0 +1,197 @@
+"""HTTP store: ``http://HOST:PORT/PREFIX``, one object per chunk at ``/PREFIX/<key>.kvc``.
+
+The object layout is the filesystem store's, so a ``file://`` folder served by any web server
+(``kvcodec.services.nginx`` runs one with WebDAV PUT/DELETE) is a store. Requests:
+
+- ``get``: ``GET`` (200 -> bytes, 404 -> ``None``); ``get_range``: ``GET`` with ``Range`` (206);
+- ``exists``: ``HEAD``; ``put``: ``PUT`` (the server writes a temporary file and renames it, so
+  readers see the old value or the whole new one); ``delete``: ``DELETE`` (404 is fine).
+
+Every request carries ``Authorization: Bearer <token>`` when a token is set: the ``token=``
+argument, else the environment variable ``KVCODEC_STORE_TOKEN``. A token in the URL is refused
+(URLs end up in logs). Writes without the right token come back 401/403 and raise
+``StoreUnavailable`` saying that the store refused the write.
+
+Connections: one small keep-alive pool per store object, one connection per thread (the fetcher
+and ingest run a few threads), each reconnected once if the server closed it while idle.
+Transport failures, timeouts and 5xx raise ``StoreUnavailable``.
+"""
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import threading
+from typing import Dict, List, Optional, Tuple
+from urllib.parse import parse_qsl, urlsplit
+
+from ..errors import ConfigError, StoreUnavailable
+from . import KVStore, check_key, check_range
+
+TOKEN_ENV = "KVCODEC_STORE_TOKEN"
+SUFFIX = ".kvc"
+_OPTIONS = ("timeout_s", "connect_timeout_s")
+# A reused keep-alive connection the server closed while idle fails in one of these ways.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, http.client.BadStatusLine)
+
+
+class _Connection(http.client.HTTPConnection):
+    """Connects within ``connect_timeout``, then waits at most ``timeout`` on each read/write."""
+
+    def __init__(self, host: str, port: int, connect_timeout: float, timeout: float) -> None:
+        super().__init__(host, port, timeout=connect_timeout)
+        self._io_timeout = timeout
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock.settimeout(self._io_timeout)
+
+
+class HttpStore(KVStore):
+    def __init__(self, base_url: str, token: Optional[str] = None, timeout_s: float = 30.0,
+                 connect_timeout_s: float = 3.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http":
+            raise ConfigError(f"HTTP store URL {base_url!r}: scheme must be http")
+        if parts.username is not None or parts.password is not None:
+            raise ConfigError(f"HTTP store URL must not carry credentials; put the token in {TOKEN_ENV}")
+        if parts.query or parts.fragment:
+            raise ConfigError(f"HTTP store URL {base_url!r}: options go to the constructor (or from_url)")
+        try:
+            port = parts.port or 80
+        except ValueError:
+            raise ConfigError(f"HTTP store URL {base_url!r}: bad port") from None
+        if not parts.hostname:
+            raise ConfigError(f"HTTP store URL {base_url!r} names no host")
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"HTTP store {name} must be > 0, got {value!r}")
+        self.host, self.port = parts.hostname, port
+        self.prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else ""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{self.port}{self.prefix}"
+        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._headers: Dict[str, str] = {"Authorization": f"Bearer {token}"} if token else {}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: List[_Connection] = []
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str) -> "HttpStore":
+        """``http://HOST:PORT/PREFIX[?timeout_s=30&connect_timeout_s=3]``; token from the environment."""
+        parts = urlsplit(url)
+        options = {}
+        for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name not in _OPTIONS:
+                raise ConfigError(f"HTTP store URL option {name!r} is unknown (known: {', '.join(_OPTIONS)})")
+            try:
+                options[name] = float(value)
+            except ValueError:
+                raise ConfigError(f"HTTP store URL option {name}={value!r} is not a number") from None
+        return cls(parts._replace(query="").geturl(), **options)
+
+    # -- the store contract ---------------------------------------------------------------------
+
+    def get(self, key: str) -> Optional[bytes]:
+        status, _, body = self._request("GET", key)
+        if status == 404:
+            return None
+        self._expect(status, (200,), "GET", key)
+        return body
+
+    def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
+        check_range(start, end)
+        if start == end:
+            return b"" if self.exists(key) else None
+        status, _, body = self._request("GET", key, headers={"Range": f"bytes={start}-{end - 1}"})
+        if status == 404:
+            return None
+        if status == 416:  # starts past the end of an existing value
+            return b""
+        self._expect(status, (200, 206), "GET range", key)
+        return body if status == 206 else body[start:end]
+
+    def exists(self, key: str) -> bool:
+        status, _, _ = self._request("HEAD", key)
+        if status == 404:
+            return False
+        self._expect(status, (200,), "HEAD", key)
+        return True
+
+    def put(self, key: str, data: bytes) -> None:
+        status, _, _ = self._request("PUT", key, body=bytes(data))
+        self._expect(status, (200, 201, 204), "PUT", key)
+
+    def delete(self, key: str) -> None:
+        status, _, _ = self._request("DELETE", key)
+        if status != 404:
+            self._expect(status, (200, 202, 204), "DELETE", key)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+
+    # -- transport ------------------------------------------------------------------------------
+
+    def _connection(self) -> _Connection:
+        if self._closed:
+            raise StoreUnavailable(f"HTTP store {self.url} is closed")
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = _Connection(self.host, self.port, self.connect_timeout_s, self.timeout_s)
+            with self._lock:
+                self._all.append(conn)
+            self._local.conn = conn
+        return conn
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.close()
+        self._local.conn = None
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+
+    def _request(self, method: str, key: str, body: Optional[bytes] = None,
+                 headers: Optional[Dict[str, str]] = None) -> Tuple[int, Dict[str, str], bytes]:
+        path = f"{self.prefix}/{check_key(key)}{SUFFIX}"
+        all_headers = dict(self._headers, **(headers or {}))
+        if body is not None:
+            all_headers["Content-Length"] = str(len(body))
+        for attempt in (0, 1):
+            conn = self._connection()
+            reused = conn.sock is not None
+            try:
+                conn.request(method, path, body=body, headers=all_headers)
+                resp = conn.getresponse()
+                data = resp.read()
+            except _STALE as exc:
+                self._drop(conn)
+                if reused and attempt == 0:
+                    continue  # the server closed an idle keep-alive connection: once more, fresh
+                raise StoreUnavailable(f"HTTP store {self.url}: {method} {key}: connection lost ({exc!r})") from None
+            except socket.timeout:
+                self._drop(conn)
+                raise StoreUnavailable(f"HTTP store {self.url}: {method} {key} timed out") from None
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(conn)
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+                raise StoreUnavailable(f"HTTP store {self.url} unreachable: {reason}") from None
+            if resp.will_close:
+                self._drop(conn)
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+        raise AssertionError("unreachable")
+
+    def _expect(self, status: int, ok: Tuple[int, ...], what: str, key: str) -> None:
+        if status in ok:
+            return
+        if status in (401, 403):
+            action = "read" if what.startswith(("GET", "HEAD")) else "write"
+            how = "the token was not accepted" if self._headers else f"no token is set ({TOKEN_ENV})"
+            raise StoreUnavailable(f"HTTP store {self.url} refused the {action} of {key} "
+                                   f"(HTTP {status}, credentials: {how})")
+        raise StoreUnavailable(f"HTTP store {self.url}: {what} {key} answered HTTP {status}")
