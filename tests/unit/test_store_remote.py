@@ -268,3 +268,16 @@ def test_wrap_is_applied_to_the_launched_command(tmp_path):
 
     p = Process("x", ["server", "--flag"], tmp_path / "log", wrap=lambda cmd: ["ip", "netns", "exec", "ns1", *cmd])
     assert p.cmd == ["ip", "netns", "exec", "ns1", "server", "--flag"]
+
+
+def test_a_missing_server_binary_is_an_error_naming_the_package(tmp_path, monkeypatch):
+    import kvcodec.services as services
+    from kvcodec.services.nginx import NginxStore
+    from kvcodec.services.redis import RedisServer
+
+    monkeypatch.setattr(services.shutil, "which", lambda name: None)
+    monkeypatch.setattr(services.os, "access", lambda path, mode: False)
+    with pytest.raises(services.ServiceError, match=r"nginx is not installed \(apt-get install -y nginx\)"):
+        NginxStore(tmp_path, "127.0.0.1", 1, "token-12345678").start()
+    with pytest.raises(services.ServiceError, match="redis-server is not installed"):
+        RedisServer(tmp_path, "127.0.0.1", 1, "pw").start()

@@ -68,6 +68,21 @@ def _split(url: str, scheme: str) -> Tuple[Optional[str], Optional[str], List[Tu
     return user, password, [_host_port(h, url) for h in hosts.split(",")], parts.path, parts.query
 
 
+def _auth_failure(exc: BaseException) -> bool:
+    """A refused password, also where the cluster client wraps it while bootstrapping."""
+    import redis.exceptions as rx
+
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError)):
+            return True
+        text = str(exc)
+        if "invalid username-password pair" in text or "WRONGPASS" in text or "NOAUTH" in text:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 class _RedisBase(KVStore):
     """The store contract over a redis-py client made once (``_make_client``) on first use."""
 
@@ -106,19 +121,16 @@ class _RedisBase(KVStore):
                     self._client = self._make_client()
                 client = self._client
             return fn(client)
-        except (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError) as exc:
-            how = "the password was not accepted" if self.password else f"no password is set (URL or {TOKEN_ENV})"
-            raise StoreUnavailable(f"{self.kind} store {self.url} refused the credentials for {what} {key} "
-                                   f"({how}: {exc})") from None
-        except rx.NoPermissionError as exc:
-            raise StoreUnavailable(f"{self.kind} store {self.url} refused {what} {key} "
-                                   f"(credentials lack the permission: {exc})") from None
-        except rx.ResponseError as exc:
-            if str(exc).startswith("NOAUTH"):
-                raise StoreUnavailable(f"{self.kind} store {self.url} refused {what} {key}: it needs a "
-                                       f"password (URL or {TOKEN_ENV})") from None
-            raise StoreUnavailable(f"{self.kind} store {self.url}: {what} {key} failed: {exc}") from None
         except (rx.RedisError, rx.RedisClusterException, OSError) as exc:
+            if _auth_failure(exc):
+                how = "the password was not accepted" if self.password else f"no password is set (URL or {TOKEN_ENV})"
+                raise StoreUnavailable(f"{self.kind} store {self.url} refused the credentials for {what} {key} "
+                                       f"({how}: {exc})") from None
+            if isinstance(exc, rx.NoPermissionError):
+                raise StoreUnavailable(f"{self.kind} store {self.url} refused {what} {key} "
+                                       f"(the credentials lack the permission: {exc})") from None
+            if isinstance(exc, rx.ResponseError) and not isinstance(exc, rx.ClusterError):
+                raise StoreUnavailable(f"{self.kind} store {self.url}: {what} {key} failed: {exc}") from None
             raise StoreUnavailable(f"{self.kind} store {self.url} unreachable ({what} {key}): "
                                    f"{type(exc).__name__}: {exc}") from None
 
