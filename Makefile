@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvcodec-installed
 
-.PHONY: setup demo test unit integration clean
+.PHONY: setup demo test unit integration bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
@@ -29,6 +29,11 @@ unit: setup
 
 integration: setup
 	$(BIN)/python -m pytest -q tests/integration
+
+# The TTFT sweep of the TTFT issue (root: network namespaces + tc; else the userspace shaper).
+bench: setup
+	$(BIN)/kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 \
+		--json perf/results/ttft.json --plot perf/results/ttft.png
 
 clean:
 	rm -rf $(VENV) .cache
