@@ -35,5 +35,11 @@ bench: setup
 	$(BIN)/kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 \
 		--json perf/results/ttft.json --plot perf/results/ttft.png
 
+# TTFT of reuse and of full prefill with Triton's perf_analyzer (own venv .venv-pa/): a real
+# tritonserver on free ports, a file store under .cache/perf; writes perf/results/perf_analyzer.json.
+.PHONY: perf
+perf: setup
+	$(BIN)/python perf/run_perf.py
+
 clean:
 	rm -rf $(VENV) .cache
