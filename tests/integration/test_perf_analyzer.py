@@ -1,0 +1,52 @@
+"""perf_analyzer (the real 2.51 binary, from ``.venv-pa/``) against the session's real tritonserver.
+
+A tiny run: a ~300-token context ingested into the session's store, 2 new tokens, count windows
+of 2 requests. The perf_analyzer venv is set up here if missing (``perf/perf_analyzer_env.sh``,
+two wheels with --no-deps and Debian's libb64-0d, ~10 s), as CI starts from a fresh machine.
+"""
+import json
+
+import pytest
+
+from perf.make_inputs import make_inputs
+from perf.perf_analyzer import ensure_perf_analyzer, perf_analyzer_version, run_targets, Target, write_results
+
+from .conftest import ingest_text, text_of
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def perf_analyzer():
+    binary, env = ensure_perf_analyzer()
+    return perf_analyzer_version(binary, env)
+
+
+def test_perf_analyzer_ttft_reuse_and_prefill(server, settings, tokenizer, perf_analyzer, tmp_path):
+    from kvcodec_client.client import KVCodecClient
+
+    assert perf_analyzer.startswith("2.51")
+    context = text_of(tokenizer, "textwrap.py", 300)
+    report = ingest_text(settings, tmp_path, context)
+    assert report["chunks"] >= 1
+    meta = make_inputs(tokenizer, context, "tiny", tmp_path / "inputs", max_tokens=2, source="textwrap.py")
+    files = meta["files"]
+
+    prompt = json.loads(open(files["reuse"]).read())["data"][0]["input_ids"]["content"]
+    check = KVCodecClient(server.grpc_url, "grpc").generate(prompt, 1, reuse=True)
+    assert check.reused_tokens >= settings.chunk_tokens  # this prompt takes the reused path
+
+    rows = run_targets([Target("local", None, server.grpc_url)], [files["reuse"], files["prefill"]],
+                       meta["context_tokens"], request_count=2, work_dir=tmp_path / "pa")
+    doc = write_results(rows, tmp_path / "perf_analyzer.json", perf_analyzer)
+    written = json.loads((tmp_path / "perf_analyzer.json").read_text())
+    assert written == doc and written["perf_analyzer_version"] == perf_analyzer
+    reuse, prefill = written["rows"]
+    for row in (reuse, prefill):
+        assert row["label"] == "local" and row["bandwidth_mbps"] is None
+        assert row["context_tokens"] == meta["context_tokens"] and row["prompt_tokens"] == len(prompt)
+        assert row["requests"] >= 2 * 3  # at least 3 windows of 2 requests
+        assert 0 < row["ttft_min_s"] <= row["ttft_p50_s"] <= row["ttft_p90_s"]
+        assert "--streaming" in row["perf_analyzer_args"]
+    assert reuse["reuse"] is True and reuse["reused_tokens"] == check.reused_tokens
+    assert prefill["reuse"] is False and prefill["reused_tokens"] == 0
