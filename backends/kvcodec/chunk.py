@@ -48,7 +48,7 @@ class ChunkEncoder:
     def __init__(self, scheme: Scheme, model_id: str, threads: int = 1) -> None:
         self.scheme = scheme
         self.model_id = model_id
-        self.layout = get_layout(scheme.layout)
+        self.layout = get_layout(scheme.layout, **scheme.layout_params)
         self.codec = _make_codec(scheme, threads=threads)
 
     def encode(self, kv: np.ndarray, key: str, chunk_index: int, token_start: int) -> bytes:
@@ -60,6 +60,7 @@ class ChunkEncoder:
             "scheme_id": self.scheme.identity,
             "layout": self.layout.name,
             "layout_version": self.layout.version,
+            "layout_params": self.scheme.layout_params,
             "codec": self.scheme.codec,
             "codec_params": self.scheme.codec_params,
             "key": key,
@@ -97,7 +98,7 @@ class ChunkDecoder:
             params = header.get("codec_params")
             if base is None or not isinstance(params, dict):
                 raise ForeignChunk(f"chunk codec {identity!r} is not one this build reads")
-            scheme = replace(base, codec_params=params)
+            scheme = replace(base, codec_params=params, layout_params=header.get("layout_params") or {})
             if scheme.identity != identity:
                 raise ForeignChunk(f"chunk codec {identity!r} is not one this build reads")
             try:
@@ -139,10 +140,13 @@ def restore(header: Container, planes: np.ndarray) -> np.ndarray:
     """Float16 KV ``[layers, 2, kv_heads, tokens, head_dim]`` from a decoded chunk."""
     g = Geometry.from_dict(header.header.get("geometry") or {})
     name = header.header.get("layout")
+    params = header.header.get("layout_params") or {}
     try:
-        layout = get_layout(name)
+        layout = get_layout(name, **params)
     except Unsupported:
         raise ForeignChunk(f"chunk layout {name!r} is not one this build reads") from None
+    except (TypeError, ValueError) as exc:
+        raise ForeignChunk(f"chunk layout {name} settings {params!r} not understood: {exc}") from None
     if header.header.get("layout_version") != layout.version:
         raise ForeignChunk(f"chunk layout {name} v{header.header.get('layout_version')}, this build reads v{layout.version}")
     shape = tuple(header.header.get("planes_shape") or ())

@@ -8,7 +8,12 @@ every chunk key and header, so changing any of it makes old chunks misses, never
   bit-exactly, through NVDEC or software);
 - ``video``: the same layout, lossy HEVC at a constant QP (``quality`` sets the QP);
 - ``int8-zstd``: the same 8-bit layout, zstd instead of video;
-- ``raw``: float16 bytes, no compression (the first baseline).
+- ``raw``: float16 bytes, no compression (the first baseline);
+- ``nlevel-zstd``: per-channel N-level quantization + zstd (``quality`` = N levels);
+- ``cachegen``: CacheGen-style per-token max-abs quantization with LMCache's per-layer bins, ANS
+  entropy coding with per-(layer, channel) distributions (``quality`` = bins of the first layers).
+
+Layout parameters (``layout_params``), where a scheme has them, are part of the identity too.
 """
 from __future__ import annotations
 
@@ -27,11 +32,16 @@ class Scheme:
     codec_params: Dict[str, Any] = field(default_factory=dict)
     version: int = 1
     quality_param: Optional[str] = None  # the codec parameter that ``quality`` sets, if any
+    layout_params: Dict[str, Any] = field(default_factory=dict)
+    quality_in: str = "codec"  # "layout": ``quality`` sets a layout parameter instead
 
     @property
     def identity(self) -> str:
         params = json.dumps(self.codec_params, sort_keys=True, separators=(",", ":"))
-        return f"{self.name}/v{self.version}/{self.layout}/{self.codec}{params}"
+        layout = self.layout
+        if self.layout_params:
+            layout += json.dumps(self.layout_params, sort_keys=True, separators=(",", ":"))
+        return f"{self.name}/v{self.version}/{layout}/{self.codec}{params}"
 
 
 SCHEMES: Dict[str, Scheme] = {
@@ -41,6 +51,10 @@ SCHEMES: Dict[str, Scheme] = {
                     quality_param="qp", version=2),
     "int8-zstd": Scheme("int8-zstd", layout="q8", codec="zstd", codec_params={"level": 3}, quality_param="level"),
     "raw": Scheme("raw", layout="fp16", codec="identity"),
+    "nlevel-zstd": Scheme("nlevel-zstd", layout="qn", codec="zstd", codec_params={"level": 3},
+                          layout_params={"levels": 32}, quality_param="levels", quality_in="layout"),
+    "cachegen": Scheme("cachegen", layout="cg", codec="ans", layout_params={"bins": 32}, quality_param="bins",
+                       quality_in="layout"),
 }
 
 DEFAULT_SCHEME = "lossless8"
@@ -55,5 +69,7 @@ def get_scheme(name: str, quality: Optional[int] = None) -> Scheme:
         return scheme
     if scheme.quality_param is None:
         raise ConfigError(f"codec {name!r} has no quality setting (got quality={quality})")
+    if scheme.quality_in == "layout":
+        return replace(scheme, layout_params=dict(scheme.layout_params, **{scheme.quality_param: int(quality)}))
     params = dict(scheme.codec_params, **{scheme.quality_param: int(quality)})
     return replace(scheme, codec_params=params)

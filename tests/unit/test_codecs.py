@@ -39,9 +39,9 @@ def _decode_all(data: bytes):
 
 
 def test_registry_names_the_codecs():
-    assert CODECS.names() == ["hevc", "identity", "zstd"]
+    assert CODECS.names() == ["ans", "hevc", "identity", "zstd"]
     assert DECODERS.names() == ["nvdec", "pyav"]
-    with pytest.raises(Unsupported, match="hevc, identity, zstd"):
+    with pytest.raises(Unsupported, match="ans, hevc, identity, zstd"):
         CODECS.get("av1")
 
 

@@ -19,8 +19,8 @@ def _steps(side, g: Geometry):
 
 
 def test_registry_lists_both_layouts():
-    assert LAYOUTS.names() == ["fp16", "q8"]
-    with pytest.raises(Unsupported, match="fp16, q8"):
+    assert LAYOUTS.names() == ["cg", "fp16", "q8", "qn"]
+    with pytest.raises(Unsupported, match="cg, fp16, q8, qn"):
         get_layout("q4")
 
 

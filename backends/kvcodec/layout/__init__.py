@@ -32,7 +32,10 @@ class Layout:
 LAYOUTS: Registry = Registry("layout")
 LAYOUTS.register("q8", "kvcodec.layout.quant:PerChannel8")
 LAYOUTS.register("fp16", "kvcodec.layout.fp16:Fp16Bytes")
+LAYOUTS.register("qn", "kvcodec.layout.nlevel:PerChannelN")
+LAYOUTS.register("cg", "kvcodec.layout.cachegen:CacheGenQuant")
 
 
-def get_layout(name: str) -> Layout:
-    return LAYOUTS.get(name)()
+def get_layout(name: str, **params) -> Layout:
+    """The layout ``name`` made with its parameters (``levels``, ``bins``...); none for q8/fp16."""
+    return LAYOUTS.get(name)(**params)
