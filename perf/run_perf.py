@@ -34,14 +34,7 @@ from perf.perf_analyzer import (RESULTS_PATH, PerfAnalyzerError, Target, ensure_
 KVCODEC = Path(sys.executable).parent / "kvcodec"
 
 
-def free_ports(n: int) -> List[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from kvcodec_client.ports import free_ports  # noqa: E402
 
 
 def targets_for(server) -> List[Target]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvcodec.engines.model_files import ensure_model
+from kvcodec_client.ports import free_ports  # noqa: F401  (test_serve imports it from here)
 from kvcodec.settings import Settings
 from kvcodec.tokenizer import Tokenizer
 from kvcodec.tritonserver import Ports, TritonServer
@@ -25,14 +26,6 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 KVCODEC = str(Path(sys.executable).parent / "kvcodec")
 
 
-def free_ports(n: int):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="session")
