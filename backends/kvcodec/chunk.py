@@ -53,7 +53,8 @@ class ChunkEncoder:
 
     def encode(self, kv: np.ndarray, key: str, chunk_index: int, token_start: int) -> bytes:
         g = Geometry.of(kv)
-        planes, side = self.layout.to_planes(kv)
+        at = {"token_start": int(token_start)} if self.layout.needs_positions else {}
+        planes, side = self.layout.to_planes(kv, **at)
         header = {
             "model_id": self.model_id,
             "scheme": self.scheme.name,
@@ -152,4 +153,9 @@ def restore(header: Container, planes: np.ndarray) -> np.ndarray:
     shape = tuple(header.header.get("planes_shape") or ())
     if planes.ndim == 1:
         planes = planes.reshape(shape)
+    if layout.needs_positions:
+        token_start = header.header.get("token_start")
+        if not isinstance(token_start, int) or token_start < 0:
+            raise CorruptChunk(f"bad token_start in chunk header: {token_start!r}")
+        return layout.from_planes(planes, header.sections, g, token_start=token_start)
     return layout.from_planes(planes, header.sections, g)

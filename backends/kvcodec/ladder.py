@@ -45,6 +45,10 @@ def rung_name(scheme: Scheme) -> str:
     from .schemes import SCHEMES
 
     base = SCHEMES.get(scheme.name)
-    if base is None or scheme.quality_param is None or base.codec_params == scheme.codec_params:
+    if base is None or scheme.quality_param is None:
         return scheme.name
-    return f"{scheme.name}:{scheme.codec_params[scheme.quality_param]}"
+    params, default = ((scheme.layout_params, base.layout_params) if scheme.quality_in == "layout"
+                       else (scheme.codec_params, base.codec_params))
+    if params == default:
+        return scheme.name
+    return f"{scheme.name}:{params[scheme.quality_param]}"

@@ -10,6 +10,10 @@ every chunk key and header, so changing any of it makes old chunks misses, never
 - ``int8-zstd``: the same 8-bit layout, zstd instead of video;
 - ``raw``: float16 bytes, no compression (the first baseline);
 - ``nlevel-zstd``: per-channel N-level quantization + zstd (``quality`` = N levels);
+- ``transform-zstd``: keys before RoPE and values projected on the model's PCA basis (shipped in
+  its codec profile), one uniform step per (layer, K|V), zstd (``quality`` = the step, in
+  thousandths of the layer's RMS: lower is finer; the default 160 is the coarsest measured step
+  that passes the quality gate on the eval set, ``perf/results/rd.json``);
 - ``cachegen``: CacheGen-style per-token max-abs quantization with LMCache's per-layer bins, ANS
   entropy coding with per-(layer, channel) distributions (``quality`` = bins of the first layers).
 
@@ -51,8 +55,12 @@ SCHEMES: Dict[str, Scheme] = {
                     quality_param="qp", version=2),
     "int8-zstd": Scheme("int8-zstd", layout="q8", codec="zstd", codec_params={"level": 3}, quality_param="level"),
     "raw": Scheme("raw", layout="fp16", codec="identity"),
-    "nlevel-zstd": Scheme("nlevel-zstd", layout="qn", codec="zstd", codec_params={"level": 3},
+    "nlevel-zstd": Scheme("nlevel-zstd", layout="qn", codec="zstd", codec_params={"level": 19},
                           layout_params={"levels": 32}, quality_param="levels", quality_in="layout"),
+    "transform-zstd": Scheme("transform-zstd", layout="pca", codec="zstd", codec_params={"level": 19},
+                             layout_params={"profile": "smollm2-135m-v1", "step": 160, "kv_balance": 2},
+                             quality_param="step",
+                             quality_in="layout"),
     "cachegen": Scheme("cachegen", layout="cg", codec="ans", layout_params={"bins": 32}, quality_param="bins",
                        quality_in="layout"),
 }

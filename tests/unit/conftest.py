@@ -6,11 +6,16 @@ that quantization and video coding see something like real data rather than stan
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import numpy as np
 import pytest
 
+from kvcodec.profiles import _CACHE as PROFILE_CACHE
+from kvcodec.profiles import fit_profile, save_profile
+from kvcodec.profiles.rope import rope
+from kvcodec.schemes import Scheme
 from kvcodec.store.memory import MemoryStore
 
 LAYERS, KV_HEADS, TOKENS, HEAD_DIM = 4, 3, 256, 64
@@ -30,6 +35,45 @@ def synthetic_kv(seed: int = 0, layers: int = LAYERS, kv_heads: int = KV_HEADS, 
     smooth = np.sin(freq * t + phase)
     noise = rng.standard_normal((layers, 2, kv_heads, tokens, head_dim))
     return (offset + scale * (0.6 * smooth + 0.4 * noise)).astype(np.float32)
+
+
+TINY_PROFILE = "tiny-v1"
+THETA = 100000.0
+
+
+def structured_kv(seed: int, layers: int = LAYERS, heads: int = KV_HEADS, tokens: int = TOKENS,
+                  dim: int = HEAD_DIM, token_start: int = 0) -> np.ndarray:
+    """KV whose vectors lie mostly in a few directions (as a model's do), keys rotated by RoPE at
+    their positions (as a model caches them)."""
+    rng = np.random.default_rng(seed)
+    C = heads * dim
+    basis = np.linalg.qr(np.random.default_rng(99).standard_normal((layers, 2, C, C)))[0]
+    coeff = rng.standard_normal((layers, 2, tokens, C)) * np.exp(-np.arange(C) / 12.0)
+    X = np.einsum("lktj,lkcj->lktc", coeff, basis) + 0.3
+    kv = X.reshape(layers, 2, tokens, heads, dim).transpose(0, 1, 3, 2, 4).copy()
+    kv[:, 0] = rope(kv[:, 0], token_start, THETA)
+    return kv.astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tmp_path_factory):
+    """A codec profile ``tiny-v1`` for the synthetic geometry, fitted on structured KV, found
+    through ``KVCODEC_PROFILE_DIR`` for the whole session. Yields its directory."""
+    d = tmp_path_factory.mktemp("profiles")
+    samples = [(structured_kv(s, token_start=s * 256), s * 256) for s in range(4)]
+    save_profile(fit_profile(iter(samples), THETA), d / f"{TINY_PROFILE}.npz")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCODEC_PROFILE_DIR", str(d))
+        PROFILE_CACHE.pop(TINY_PROFILE, None)
+        yield d
+    PROFILE_CACHE.pop(TINY_PROFILE, None)
+
+
+def on_tiny_profile(scheme: Scheme) -> Scheme:
+    """``scheme`` with the tiny profile in place of the model's (for layouts that need one)."""
+    if "profile" not in scheme.layout_params:
+        return scheme
+    return dataclasses.replace(scheme, layout_params={**scheme.layout_params, "profile": TINY_PROFILE})
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,12 @@ from kvcodec.geometry import Geometry
 from kvcodec.layout import get_layout
 from kvcodec.schemes import DEFAULT_SCHEME, SCHEMES, get_scheme
 
+from .conftest import on_tiny_profile
+
 MODEL = "org/tiny@abc123"
 KEY = "aaaa/bbbb/0123456789abcdef"
+# every scheme, those with a codec profile on the synthetic geometry's own (tests/unit/conftest.py)
+CASES = {name: on_tiny_profile(scheme) for name, scheme in SCHEMES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +26,10 @@ def chunk_kv(make_kv):
 
 
 @pytest.fixture(scope="module")
-def encoded(chunk_kv):
+def encoded(chunk_kv, tiny_profile):
     """Each scheme's chunk of the same KV, encoded once for the module."""
     return {name: ChunkEncoder(scheme, MODEL).encode(chunk_kv, KEY, chunk_index=2, token_start=512)
-            for name, scheme in SCHEMES.items()}
+            for name, scheme in CASES.items()}
 
 
 def _q8_round_trip(kv: np.ndarray) -> np.ndarray:
@@ -46,7 +50,7 @@ def test_every_scheme_restores_float16_kv_of_the_right_shape(name, chunk_kv, enc
     decoded = decoder.decode(encoded[name], key=KEY)
     assert PAYLOAD not in decoded.header.sections
     assert decoded.header.header["scheme"] == name
-    assert decoded.header.header["scheme_id"] == SCHEMES[name].identity
+    assert decoded.header.header["scheme_id"] == CASES[name].identity
     assert decoded.header.header["chunk_index"] == 2 and decoded.header.header["token_start"] == 512
     kv = restore(decoded.header, decoded.planes)
     assert kv.dtype == np.float16 and kv.shape == chunk_kv.shape
@@ -55,7 +59,14 @@ def test_every_scheme_restores_float16_kv_of_the_right_shape(name, chunk_kv, enc
     span = chunk_kv.max(axis=3, keepdims=True) - chunk_kv.min(axis=3, keepdims=True)
     if SCHEMES[name].layout == "cg":  # per-token max-abs over the channels, >= 7 levels a side
         span = np.abs(chunk_kv).max(axis=(2, 4), keepdims=True) * 8 / 14
-    assert (err <= span / 8 + 1e-2).all(), f"{name}: error {err.max():.4f} too large"
+    if SCHEMES[name].layout == "pca":  # rounding in an orthonormal basis: |err| <= sqrt(C) step / 2 per vector
+        layout = get_layout("pca", **CASES[name].layout_params)
+        g = Geometry.of(chunk_kv)
+        norms = np.linalg.norm(err.transpose(0, 1, 3, 2, 4).reshape(g.layers, 2, g.tokens, -1), axis=-1)
+        bound = np.sqrt(g.kv_heads * g.head_dim) * layout.steps(layout.profile) / 2 * 1.05 + 0.05
+        assert (norms <= bound[:, :, None]).all(), f"{name}: error {norms.max():.4f} too large"
+    else:
+        assert (err <= span / 8 + 1e-2).all(), f"{name}: error {err.max():.4f} too large"
     decoder.close()
 
 
@@ -197,7 +208,7 @@ def test_quality_on_a_scheme_without_one_raises(name):
 
 
 def test_unknown_codec_name_raises_config_error():
-    with pytest.raises(ConfigError, match="'h266'.*cachegen, int8-zstd, lossless8, nlevel-zstd, raw, video"):
+    with pytest.raises(ConfigError, match="'h266'.*cachegen, int8-zstd, lossless8, nlevel-zstd, raw, transform-zstd, video"):
         get_scheme("h266")
 
 

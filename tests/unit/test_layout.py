@@ -18,9 +18,9 @@ def _steps(side, g: Geometry):
     return lo, step
 
 
-def test_registry_lists_both_layouts():
-    assert LAYOUTS.names() == ["cg", "fp16", "q8", "qn"]
-    with pytest.raises(Unsupported, match="cg, fp16, q8, qn"):
+def test_registry_lists_every_layout():
+    assert LAYOUTS.names() == ["cg", "fp16", "pca", "q8", "qn"]
+    with pytest.raises(Unsupported, match="cg, fp16, pca, q8, qn"):
         get_layout("q4")
 
 

@@ -16,7 +16,7 @@ def test_defaults(tmp_path, monkeypatch):
     assert s.home == home
     assert s.store == f"file://{home / 'store'}"
     assert s.model_cache == home / "models"
-    assert s.codecs == ("lossless8", "video", "int8-zstd", "raw", "nlevel-zstd", "cachegen")
+    assert s.codecs == ("lossless8", "video", "int8-zstd", "raw", "nlevel-zstd", "transform-zstd", "cachegen")
     assert (s.chunk_tokens, s.threads, s.decoder) == (256, 0, "pyav")
 
 

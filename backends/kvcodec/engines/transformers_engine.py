@@ -38,6 +38,8 @@ class TransformersEngine:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.eos_token_id = self.tokenizer.eos_token_id
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        self.rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
     def geometry(self, tokens: int) -> Geometry:
         return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, tokens=tokens)

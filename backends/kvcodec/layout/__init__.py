@@ -17,6 +17,9 @@ from ..registry import Registry
 class Layout:
     name: str = ""
     version: int = 1
+    # True for layouts whose planes depend on the tokens' absolute positions (keys before RoPE):
+    # their ``to_planes`` / ``from_planes`` take ``token_start`` as a keyword.
+    needs_positions: bool = False
 
     def planes_shape(self, geometry: Geometry) -> Tuple[int, int, int]:
         raise NotImplementedError
@@ -34,6 +37,7 @@ LAYOUTS.register("q8", "kvcodec.layout.quant:PerChannel8")
 LAYOUTS.register("fp16", "kvcodec.layout.fp16:Fp16Bytes")
 LAYOUTS.register("qn", "kvcodec.layout.nlevel:PerChannelN")
 LAYOUTS.register("cg", "kvcodec.layout.cachegen:CacheGenQuant")
+LAYOUTS.register("pca", "kvcodec.layout.transform:PcaUniform")
 
 
 def get_layout(name: str, **params) -> Layout:
