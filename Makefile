@@ -35,6 +35,11 @@ bench: setup
 	$(BIN)/kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 \
 		--json perf/results/ttft.json --plot perf/results/ttft.png
 
+# Every codec at several settings over the eval set (22 texts): perf/results/rd.json and rd.png.
+.PHONY: eval
+eval: setup
+	$(BIN)/kvcodec rd --json perf/results/rd.json --plot perf/results/rd.png
+
 # TTFT of reuse and of full prefill with Triton's perf_analyzer (own venv .venv-pa/): a real
 # tritonserver on free ports, a file store under .cache/perf; writes perf/results/perf_analyzer.json.
 .PHONY: perf

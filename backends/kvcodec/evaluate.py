@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import List, Sequence
 
 import numpy as np
 
@@ -38,13 +38,27 @@ class EvalResult:
     greedy_tokens: int
     encode_s: float
     decode_s: float
+    fp16_bytes: int = 0
+    stored_bytes: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def evaluate(engine, ids: Sequence[int], prefix_tokens: int, continuation_tokens: int, scheme: Scheme,
-             chunk_tokens: int = 256, greedy_tokens: int = 32) -> EvalResult:
+@dataclass
+class Reference:
+    """The original run on one text: the prefix KV chunks, the teacher-forced next-token
+    log-probabilities over the continuation, and the greedy tokens after the prefix."""
+    prefix: List[int]
+    continuation: List[int]
+    chunks: List[np.ndarray]
+    chunk_tokens: int
+    logprobs: np.ndarray
+    greedy: List[int]
+
+
+def reference(engine, ids: Sequence[int], prefix_tokens: int, continuation_tokens: int, chunk_tokens: int = 256,
+              greedy_tokens: int = 32) -> Reference:
     if prefix_tokens <= 0 or prefix_tokens % chunk_tokens:
         raise BadRequest(f"prefix_tokens must be a positive multiple of {chunk_tokens}, got {prefix_tokens}")
     if continuation_tokens < 1:
@@ -54,26 +68,38 @@ def evaluate(engine, ids: Sequence[int], prefix_tokens: int, continuation_tokens
                          f"({prefix_tokens} + {continuation_tokens})")
     prefix = list(ids[:prefix_tokens])
     continuation = list(ids[prefix_tokens:prefix_tokens + continuation_tokens])
-    original = list(engine.prefill_chunks(prefix, chunk_tokens))
-    encoder = ChunkEncoder(scheme, engine.model_id)
-    decoder = ChunkDecoder(engine.model_id)
+    chunks = list(engine.prefill_chunks(prefix, chunk_tokens))
+    past = np.concatenate(chunks, axis=3)
+    logprobs = engine.continuation_logprobs(past, continuation)
+    greedy = list(engine.stream(prefix + continuation[:1], greedy_tokens, past))
+    return Reference(prefix, continuation, chunks, chunk_tokens, logprobs, greedy)
+
+
+def compare(engine, ref: Reference, scheme: Scheme, threads: int = 1) -> EvalResult:
+    """Pass the reference's KV through ``scheme`` and compare the model's behaviour on it."""
+    c = ref.chunk_tokens
+    encoder = ChunkEncoder(scheme, engine.model_id, threads=threads)
+    decoder = ChunkDecoder(engine.model_id, threads=threads)
     t0 = time.perf_counter()
-    blobs = [encoder.encode(kv, f"eval{i}", i, i * chunk_tokens) for i, kv in enumerate(original)]
+    blobs = [encoder.encode(kv, f"eval{i}", i, i * c) for i, kv in enumerate(ref.chunks)]
     t1 = time.perf_counter()
     restored = [restore(d.header, d.planes) for d in (decoder.decode(b, key=f"eval{i}") for i, b in enumerate(blobs))]
     t2 = time.perf_counter()
     decoder.close()
-    past_ref = np.concatenate(original, axis=3)
-    past_new = np.concatenate(restored, axis=3)
-    ref = engine.continuation_logprobs(past_ref, continuation)
-    new = engine.continuation_logprobs(past_new, continuation)
-    top1 = float(np.mean(ref.argmax(-1) == new.argmax(-1)))
-    kl = float(np.mean(np.sum(np.exp(ref) * (ref - new), axis=-1)))
-    seed = prefix + continuation[:1]
-    greedy_ref = list(engine.stream(seed, greedy_tokens, past_ref))
-    greedy_new = list(engine.stream(seed, greedy_tokens, past_new))
-    match = next((i for i, (a, b) in enumerate(zip(greedy_ref, greedy_new)) if a != b), min(len(greedy_ref), len(greedy_new)))
-    fp16 = sum(kv.size * 2 for kv in original)
-    return EvalResult(scheme.name, scheme.identity, prefix_tokens, len(continuation),
-                      round(fp16 / sum(len(b) for b in blobs), 4), round(top1, 4), round(max(kl, 0.0), 6),
-                      int(match), greedy_tokens, round(t1 - t0, 4), round(t2 - t1, 4))
+    past = np.concatenate(restored, axis=3)
+    new = engine.continuation_logprobs(past, ref.continuation)
+    top1 = float(np.mean(ref.logprobs.argmax(-1) == new.argmax(-1)))
+    kl = float(np.mean(np.sum(np.exp(ref.logprobs) * (ref.logprobs - new), axis=-1)))
+    greedy = list(engine.stream(ref.prefix + ref.continuation[:1], len(ref.greedy), past))
+    match = next((i for i, (a, b) in enumerate(zip(ref.greedy, greedy)) if a != b), min(len(ref.greedy), len(greedy)))
+    fp16 = sum(kv.size * 2 for kv in ref.chunks)
+    stored = sum(len(b) for b in blobs)
+    return EvalResult(scheme.name, scheme.identity, len(ref.prefix), len(ref.continuation),
+                      round(fp16 / stored, 4), round(top1, 4), round(max(kl, 0.0), 6), int(match), len(ref.greedy),
+                      round(t1 - t0, 4), round(t2 - t1, 4), int(fp16), int(stored))
+
+
+def evaluate(engine, ids: Sequence[int], prefix_tokens: int, continuation_tokens: int, scheme: Scheme,
+             chunk_tokens: int = 256, greedy_tokens: int = 32) -> EvalResult:
+    return compare(engine, reference(engine, ids, prefix_tokens, continuation_tokens, chunk_tokens, greedy_tokens),
+                   scheme)

@@ -4,6 +4,8 @@
     kvcodec ingest   --text-file F [--codec lossless8[,video:12,...]] [--quality Q] [--store URL]
     kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
     kvcodec eval     --text-file F --prefix-tokens P --continuation-tokens C --codec NAME [--quality Q] [--json]
+    kvcodec rd       [--json perf/results/rd.json --plot perf/results/rd.png] (every codec over the eval set)
+    kvcodec profile fit [--out backends/kvcodec/profiles/smollm2-135m-v1.npz] [--tokens 2048]
     kvcodec demo     [--json perf/results/demo.json]
     kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
 
@@ -169,6 +171,43 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_rd(args) -> int:
+    from kvcodec_client.rd import DEFAULT_SETTINGS, RdConfig, run_rd
+
+    settings = _settings(args)
+    config = RdConfig(settings=args.settings or DEFAULT_SETTINGS, prefix_tokens=args.prefix_tokens,
+                      continuation_tokens=args.continuation_tokens, workers=args.workers,
+                      decode_threads=args.decode_threads, texts=args.texts, chunk_tokens=settings.chunk_tokens,
+                      model_cache=str(settings.model_cache))
+    return run_rd(config, Path(args.json), Path(args.plot) if args.plot else None)
+
+
+def cmd_profile_fit(args) -> int:
+    from kvcodec import evalset
+    from kvcodec.engines.model_files import ensure_model
+    from kvcodec.engines.transformers_engine import TransformersEngine
+    from kvcodec.profiles import fit_profile, read_profile, save_profile
+
+    settings = _settings(args)
+    engine = TransformersEngine(ensure_model(settings.model_cache), threads=settings.threads or None)
+    texts = evalset.load(evalset.FIT_SET, engine.tokenize, args.tokens)
+
+    def samples():
+        for n, (text, ids) in enumerate(texts, 1):
+            print(f"[{n}/{len(texts)}] prefill {text.name} ({len(ids)} tokens)", file=sys.stderr, flush=True)
+            for i, kv in enumerate(engine.prefill_chunks(ids, settings.chunk_tokens)):
+                yield kv, i * settings.chunk_tokens
+
+    path = save_profile(fit_profile(samples(), engine.rope_theta), Path(args.out))
+    profile = read_profile(path)
+    share = profile.variance[..., :32].sum(-1) / profile.variance.sum(-1)
+    print(json.dumps({"profile": str(path), "digest": profile.digest, "bytes": path.stat().st_size,
+                      "fit_tokens": len(texts) * args.tokens,
+                      "variance_in_first_32_components": {"keys": round(float(share[:, 0].mean()), 4),
+                                                          "values": round(float(share[:, 1].mean()), 4)}}))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kvcodec_client.demo import run_demo
 
@@ -267,6 +306,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "ttft.png"))
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_bench_ttft)
+
+    p = sub.add_parser("rd", help="every codec at several settings over the eval set: rd.json and rd.png")
+    common(p)
+    p.add_argument("--settings", type=_list(str), help="rung specs (default: every codec at several settings)")
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2, help="processes sharing out the texts")
+    p.add_argument("--decode-threads", type=int, default=2, help="threads for the decode speed pass")
+    p.add_argument("--texts", type=int, help="only the first N texts of the eval set")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "rd.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "rd.png"))
+    p.set_defaults(func=cmd_rd)
+
+    p = sub.add_parser("profile", help="codec profiles (the per-model transform of transform-zstd)")
+    prof = p.add_subparsers(dest="profile", required=True)
+    p = prof.add_parser("fit", help="fit the PCA profile on the fit texts (outside the eval set)")
+    common(p)
+    from kvcodec.profiles import DEFAULT_PROFILE, HERE
+
+    p.add_argument("--out", default=str(HERE / f"{DEFAULT_PROFILE}.npz"))
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of each fit text")
+    p.set_defaults(func=cmd_profile_fit)
 
     p = sub.add_parser("demo", help="ingest a text, compare TTFT with and without reuse, write JSON")
     common(p)

@@ -52,3 +52,27 @@ def test_eval_refuses_a_prefix_that_is_not_whole_chunks(settings, text_file):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "prefix_tokens must be a positive multiple of 256, got 100" in proc.stderr
+
+
+def test_eval_transform_zstd_beats_8_bit_at_small_loss(settings, text_file):
+    int8 = _eval(settings, text_file, "int8-zstd")
+    pca = _eval(settings, text_file, "transform-zstd")  # the shipped SmolLM2 codec profile
+    assert set(pca) >= KEYS
+    assert pca["ratio_vs_fp16"] > 1.4 * int8["ratio_vs_fp16"]
+    assert pca["mean_kl"] < 0.03 and pca["top1_agreement"] >= 0.85
+    finer = _eval(settings, text_file, "transform-zstd", "--quality", "60")
+    assert finer["mean_kl"] < pca["mean_kl"] and finer["ratio_vs_fp16"] < pca["ratio_vs_fp16"]
+
+
+def test_rd_on_one_text_writes_the_summary_and_the_plot(settings, tmp_path):
+    out, png = tmp_path / "rd.json", tmp_path / "rd.png"
+    cli(settings, "rd", "--texts", "1", "--workers", "1", "--prefix-tokens", "256", "--continuation-tokens", "16",
+        "--settings", "raw,int8-zstd,transform-zstd:160", "--json", str(out), "--plot", str(png))
+    doc = json.loads(out.read_text())
+    assert [s["setting"] for s in doc["summary"]] == ["raw", "int8-zstd", "transform-zstd:160"]
+    by = {s["setting"]: s for s in doc["summary"]}
+    assert by["raw"]["gate"] is True and by["raw"]["greedy_min"] == 32 and by["raw"]["mean_kl"] < 1e-4
+    assert by["transform-zstd:160"]["ratio_vs_fp16"] > by["int8-zstd"]["ratio_vs_fp16"] > by["raw"]["ratio_vs_fp16"]
+    assert all(s["decode_mb_s"] > 0 for s in doc["summary"])
+    assert len(doc["rows"]) == 3 and doc["config"]["texts"] == ["py:argparse.py"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
