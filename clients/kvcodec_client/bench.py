@@ -6,7 +6,9 @@ serving the chunks ingested once beforehand, starts tritonserver on the model re
 store and the kvcodec ladder, and asks each method the same prompts over gRPC:
 
 - ``prefill``: no reuse;
-- ``raw``, ``int8-zstd``, ``cachegen``, ``video`` (and any other rung spec): that rung alone;
+- ``raw``, ``int8-zstd``, ``cachegen``, ``transform-zstd``, ``video`` (and any other rung spec):
+  that rung alone, lossy ones at a setting that passes the quality gate on the eval set
+  (``GATED``: from ``perf/results/rd.json``; the row's ``rung`` says which);
 - ``kvcodec``: the server's ladder, chosen per chunk by the adaptive fetcher.
 
 Each (method, rate, context) is asked once to warm up, then ``runs`` times. Rows carry
@@ -31,9 +33,19 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["json/decoder.py", "json/encoder.py", "csv.py", "textwrap.py", "shlex.py", "heapq.py",
            "bisect.py", "queue.py", "sched.py", "fnmatch.py", "glob.py", "string.py", "calendar.py"]
 QUESTION = "\n\n# Question: which function above is the longest?\n# Answer:"
-METHODS = ("prefill", "raw", "int8-zstd", "cachegen", "video", "kvcodec")
-LOSSLESS = {"prefill", "raw", "lossless8"}
-DEFAULT_LADDER = "video,int8-zstd,raw"
+METHODS = ("prefill", "raw", "int8-zstd", "cachegen", "transform-zstd", "video", "kvcodec")
+LOSSLESS = {"prefill", "raw"}
+# The setting each lossy method runs at: the coarsest that passed the gate (mean KL <= 0.01, top-1
+# >= 0.95) in `make eval` (perf/results/rd.json); the others' defaults pass it as they are.
+GATED = {"cachegen": "cachegen:96"}
+# What ingest stores for the kvcodec method: the video rung, the transform rung (the best ratio at
+# the gate), and the cheap-to-decode rungs for fast links.
+DEFAULT_LADDER = "transform-zstd,video,int8-zstd,raw"
+
+
+def method_rung(method: str) -> str:
+    """The rung spec a static method fetches (its gated setting where it has one)."""
+    return GATED.get(method, method)
 
 
 @dataclass
@@ -64,7 +76,7 @@ def method_rungs(methods: Sequence[str], ladder: str) -> List[str]:
     """Every rung spec to ingest: each static method's, then the ladder's."""
     out: List[str] = []
     for m in methods:
-        specs = ladder.split(",") if m == "kvcodec" else [] if m == "prefill" else [m]
+        specs = ladder.split(",") if m == "kvcodec" else [] if m == "prefill" else [method_rung(m)]
         out += [s.strip() for s in specs if s.strip() and s.strip() not in out]
     return out
 
@@ -175,7 +187,7 @@ def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, 
 
 def _measure(client, method: str, prompt: List[int], config: BenchConfig) -> dict:
     reuse = method != "prefill"
-    codecs = None if method in ("prefill", "kvcodec") else method
+    codecs = None if method in ("prefill", "kvcodec") else method_rung(method)
     runs = config.prefill_runs if method == "prefill" else config.runs
     if method != "prefill":
         client.generate(prompt, config.max_tokens, reuse=True, codecs=codecs)  # warm-up (and link estimate)
@@ -187,6 +199,7 @@ def _measure(client, method: str, prompt: List[int], config: BenchConfig) -> dic
     bounds = [b for b in bounds if b]
     return {
         "method": method,
+        "rung": codecs or ("ladder" if reuse else ""),
         "ttft_p50_s": round(_p(ttfts, 0.5), 4),
         "ttft_p90_s": round(_p(ttfts, 0.9), 4),
         "ttft_s": [round(t, 4) for t in ttfts],
