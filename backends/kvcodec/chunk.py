@@ -25,6 +25,7 @@ from .layout import get_layout
 from .schemes import SCHEMES, Scheme
 
 PAYLOAD = "payload"
+PLANE_DTYPES = {"uint8": np.uint8, "uint16": np.dtype("<u2")}
 
 
 @dataclass
@@ -70,6 +71,8 @@ class ChunkEncoder:
             "geometry": g.to_dict(),
             "planes_shape": list(planes.shape),
         }
+        if planes.dtype != np.uint8:
+            header["planes_dtype"] = planes.dtype.name  # 10-bit layouts: uint16 samples
         payload = self.codec.encode(planes)
         t0 = time.perf_counter()
         decoded = self.codec.decode(payload, planes.shape)
@@ -151,8 +154,14 @@ def restore(header: Container, planes: np.ndarray) -> np.ndarray:
     if header.header.get("layout_version") != layout.version:
         raise ForeignChunk(f"chunk layout {name} v{header.header.get('layout_version')}, this build reads v{layout.version}")
     shape = tuple(header.header.get("planes_shape") or ())
-    if planes.ndim == 1:
-        planes = planes.reshape(shape)
+    if planes.ndim == 1:  # flat bytes, as they cross the ensemble
+        dtype = header.header.get("planes_dtype", "uint8")
+        if dtype not in PLANE_DTYPES:
+            raise CorruptChunk(f"bad planes dtype in chunk header: {dtype!r}")
+        try:
+            planes = np.ascontiguousarray(planes, dtype=np.uint8).view(PLANE_DTYPES[dtype]).reshape(shape)
+        except ValueError as exc:
+            raise CorruptChunk(f"planes do not fit the header's shape {shape}: {exc}") from None
     if layout.needs_positions:
         token_start = header.header.get("token_start")
         if not isinstance(token_start, int) or token_start < 0:

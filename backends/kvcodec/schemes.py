@@ -6,7 +6,11 @@ every chunk key and header, so changing any of it makes old chunks misses, never
 
 - ``lossless8``: per-channel 8-bit quantization, HEVC lossless (the 8-bit values come back
   bit-exactly, through NVDEC or software);
-- ``video``: the same layout, lossy HEVC at a constant QP (``quality`` sets the QP);
+- ``video``: the KVCodec video rung: the ``transform-zstd`` coefficients (below) as 10-bit luma,
+  the tokens of each chunk chained nearest-neighbour first, lossy HEVC Main10 intra at a
+  constant QP (``quality`` sets the QP), x265 ``medium`` without psycho-visual tuning;
+- ``video-q8``: the 8-bit per-channel layout of ``lossless8``, lossy HEVC at a constant QP (the
+  naive layout, kept as the baseline the layout research started from);
 - ``int8-zstd``: the same 8-bit layout, zstd instead of video;
 - ``raw``: float16 bytes, no compression (the first baseline);
 - ``nlevel-zstd``: per-channel N-level quantization + zstd (``quality`` = N levels);
@@ -38,6 +42,7 @@ class Scheme:
     quality_param: Optional[str] = None  # the codec parameter that ``quality`` sets, if any
     layout_params: Dict[str, Any] = field(default_factory=dict)
     quality_in: str = "codec"  # "layout": ``quality`` sets a layout parameter instead
+    baseline_only: bool = False  # measured against, not stored by default (not in the identity)
 
     @property
     def identity(self) -> str:
@@ -51,8 +56,13 @@ class Scheme:
 SCHEMES: Dict[str, Scheme] = {
     "lossless8": Scheme("lossless8", layout="q8", codec="hevc", codec_params={"lossless": True, "qp": 0, "preset": "ultrafast"},
                         version=2),
-    "video": Scheme("video", layout="q8", codec="hevc", codec_params={"lossless": False, "qp": 8, "preset": "ultrafast"},
-                    quality_param="qp", version=2),
+    "video": Scheme("video", layout="pca10", codec="hevc",
+                    codec_params={"lossless": False, "qp": 7, "preset": "medium", "bit_depth": 10, "tune": "mse"},
+                    layout_params={"profile": "smollm2-135m-v1", "step": 40, "kv_balance": 2, "reorder": 1},
+                    quality_param="qp", version=3),
+    "video-q8": Scheme("video-q8", layout="q8", codec="hevc",
+                       codec_params={"lossless": False, "qp": 8, "preset": "ultrafast"}, quality_param="qp", version=2,
+                       baseline_only=True),
     "int8-zstd": Scheme("int8-zstd", layout="q8", codec="zstd", codec_params={"level": 3}, quality_param="level"),
     "raw": Scheme("raw", layout="fp16", codec="identity"),
     "nlevel-zstd": Scheme("nlevel-zstd", layout="qn", codec="zstd", codec_params={"level": 19},

@@ -10,7 +10,7 @@ name the field and the value.
 | home          | KVCODEC_HOME           | ``./.cache``                            |
 | store         | KVCODEC_STORE          | ``file://<home>/store``                 |
 | model_cache   | KVCODEC_MODEL_CACHE    | ``<home>/models``                       |
-| codecs        | KVCODEC_CODECS         | every codec, lossless8 first (lookup order) |
+| codecs        | KVCODEC_CODECS         | every codec but the baselines (video-q8), lossless8 first (lookup order) |
 | chunk_tokens  | KVCODEC_CHUNK_TOKENS   | 256                                     |
 | threads       | KVCODEC_THREADS        | 0 (torch's default)                     |
 | decoder       | KVCODEC_DECODER        | ``pyav`` (``nvdec``, ``auto``)          |
@@ -62,7 +62,7 @@ class Settings:
         home = Path(raw("home") or ".cache").expanduser().resolve()
         store = raw("store") or f"file://{home / 'store'}"
         model_cache = Path(raw("model_cache") or home / "models").expanduser().resolve()
-        default_codecs = [DEFAULT_SCHEME] + [n for n in SCHEMES if n != DEFAULT_SCHEME]
+        default_codecs = [DEFAULT_SCHEME] + [n for n, sc in SCHEMES.items() if n != DEFAULT_SCHEME and not sc.baseline_only]
         codecs = tuple(c.strip() for c in (raw("codecs") or ",".join(default_codecs)).split(",") if c.strip())
         if not codecs:
             raise ConfigError(f"codecs names no codec (got {raw('codecs')!r})")

@@ -32,14 +32,14 @@ class DecodeStep:
         self.decoder = ChunkDecoder(model_id, decoder=decoder, threads=threads)
 
     def run(self, info: ChunkInfo, data: bytes) -> Tuple[ChunkInfo, np.ndarray, bytes]:
-        """Returns (info, planes as flat uint8, the chunk's header container without payload)."""
+        """Returns (info, planes as flat uint8 bytes, the chunk's header container without payload)."""
         info.t["received"] = time.time()
         if not info.ok or not data:
             return info, EMPTY_U8, b""
         t0 = time.perf_counter()
         try:
             decoded = self.decoder.decode(data, key=info.key or None)
-            out = info, decoded.planes.reshape(-1), decoded.header.to_bytes()
+            out = info, np.ascontiguousarray(decoded.planes).view(np.uint8).reshape(-1), decoded.header.to_bytes()
         except (KVCodecError, ValueError) as exc:
             if not isinstance(exc, KVCodecError):
                 log.exception("unexpected decode failure")

@@ -29,11 +29,9 @@ TOP1_GATE = 0.95
 
 # Every codec at several settings (rung specs: NAME or NAME:QUALITY).
 DEFAULT_SETTINGS = (
-    "raw", "lossless8", "int8-zstd",
-    "nlevel-zstd:24", "nlevel-zstd:32", "nlevel-zstd:48",
-    "cachegen:64", "cachegen:96", "cachegen:128",
-    "transform-zstd:120", "transform-zstd:160", "transform-zstd:200", "transform-zstd:250", "transform-zstd:300",
-    "video:8", "video:16",
+    "raw", "lossless8", "int8-zstd", "nlevel-zstd:48", "cachegen:96",
+    "transform-zstd:160", "transform-zstd:200",
+    "video-q8:16", "video:6", "video:7", "video:8",
 )
 
 

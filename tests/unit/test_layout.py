@@ -19,8 +19,8 @@ def _steps(side, g: Geometry):
 
 
 def test_registry_lists_every_layout():
-    assert LAYOUTS.names() == ["cg", "fp16", "pca", "q8", "qn"]
-    with pytest.raises(Unsupported, match="cg, fp16, pca, q8, qn"):
+    assert LAYOUTS.names() == ["cg", "fp16", "pca", "pca10", "q8", "qn"]
+    with pytest.raises(Unsupported, match="cg, fp16, pca, pca10, q8, qn"):
         get_layout("q4")
 
 

@@ -86,14 +86,21 @@ class NvdecDecoder:
             pkt.bsl = int(buf.size)
         return pkt
 
-    def _luma(self, frame: Any, width: int, height: int) -> np.ndarray:
+    def _luma(self, frame: Any, width: int, height: int, bit_depth: int = 8) -> np.ndarray:
         # GetPtrToPlane(0) is the host address of the packed NV12 frame, framesize() its byte
-        # count: samples/utils/Utils.py get_frame_data (host-memory branch).
+        # count: samples/utils/Utils.py get_frame_data (host-memory branch). 10-bit streams come
+        # out as P016 (the Read Me's "YUV 4:2:0 (10 bit)" surface): 16-bit little-endian samples
+        # with the 10 bits at the top, so the sample is the word shifted right by 6.
+        wide = bit_depth > 8
         size = int(frame.framesize())
-        if size != width * height * 3 // 2:
-            raise CorruptChunk(f"decoded frame holds {size} bytes, expected {width}x{height} NV12")
-        raw = (ctypes.c_uint8 * (width * height)).from_address(int(frame.GetPtrToPlane(0)))
-        return np.frombuffer(raw, dtype=np.uint8).reshape(height, width).copy()
+        if size != width * height * 3 // 2 * (2 if wide else 1):
+            raise CorruptChunk(f"decoded frame holds {size} bytes, expected {width}x{height} "
+                               f"{'P016' if wide else 'NV12'}")
+        if not wide:
+            raw = (ctypes.c_uint8 * (width * height)).from_address(int(frame.GetPtrToPlane(0)))
+            return np.frombuffer(raw, dtype=np.uint8).reshape(height, width).copy()
+        raw = (ctypes.c_uint16 * (width * height)).from_address(int(frame.GetPtrToPlane(0)))
+        return (np.frombuffer(raw, dtype="<u2").reshape(height, width) >> (16 - bit_depth)).astype(np.uint16)
 
     def _ensure(self, width: int, height: int) -> None:
         lim = self._limits
@@ -109,7 +116,7 @@ class NvdecDecoder:
             # As samples/advanced/decode_reconfigure.py does between streams of different sizes.
             self._dec.setReconfigParams(width, height)
 
-    def decode(self, data: bytes, width: int, height: int) -> List[np.ndarray]:
+    def decode(self, data: bytes, width: int, height: int, bit_depth: int = 8) -> List[np.ndarray]:
         buf = np.frombuffer(data, dtype=np.uint8)
         out: List[np.ndarray] = []
         if not buf.size:
@@ -119,8 +126,8 @@ class NvdecDecoder:
             try:
                 # Decode(PacketData) -> list of DecodedFrame (pybind11 docstring; all samples).
                 # Each batch is copied before the next Decode call may reuse its buffers.
-                out.extend(self._luma(f, width, height) for f in self._dec.Decode(self._packet(buf)))
-                out.extend(self._luma(f, width, height) for f in self._dec.Decode(self._packet(None)))
+                out.extend(self._luma(f, width, height, bit_depth) for f in self._dec.Decode(self._packet(buf)))
+                out.extend(self._luma(f, width, height, bit_depth) for f in self._dec.Decode(self._packet(None)))
             except Exception as exc:
                 self._dec = None  # parser state unknown: start a fresh session next call
                 if isinstance(exc, CorruptChunk):

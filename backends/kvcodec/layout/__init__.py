@@ -38,6 +38,7 @@ LAYOUTS.register("fp16", "kvcodec.layout.fp16:Fp16Bytes")
 LAYOUTS.register("qn", "kvcodec.layout.nlevel:PerChannelN")
 LAYOUTS.register("cg", "kvcodec.layout.cachegen:CacheGenQuant")
 LAYOUTS.register("pca", "kvcodec.layout.transform:PcaUniform")
+LAYOUTS.register("pca10", "kvcodec.layout.transform:PcaVideo")
 
 
 def get_layout(name: str, **params) -> Layout:

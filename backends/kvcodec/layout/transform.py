@@ -78,13 +78,41 @@ class PcaUniform(Layout):
         split = np.array([np.sqrt(self.kv_balance), 1.0 / np.sqrt(self.kv_balance)], dtype=np.float64)
         return (p.rms * (self.step / 1000.0) * split[None, :]).astype(np.float32)
 
-    def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
+    def coefficients(self, kv: np.ndarray, token_start: int) -> Tuple[Geometry, Profile, np.ndarray]:
+        """The chunk on the profile's basis: float32 ``[layers, 2, tokens, C]`` (keys unroped)."""
         g = Geometry.of(kv)
         p = self._checked(g)
         x = np.array(kv, dtype=np.float32)
         x[:, 0] = unrope(x[:, 0], token_start, p.rope_theta)
         X = x.transpose(0, 1, 3, 2, 4).reshape(g.layers, 2, g.tokens, p.channels)
-        coeff = np.matmul(X - p.mean[:, :, None, :], p.basis)  # [L, 2, T, C]
+        return g, p, np.matmul(X - p.mean[:, :, None, :], p.basis)
+
+    def checked_profile(self, side: Dict[str, bytes], g: Geometry) -> Profile:
+        p = self._checked(g)
+        if side.get("pca_profile") != p.digest.encode():
+            raise ForeignChunk(f"chunk was made with another {p.name} codec profile than this build ships")
+        return p
+
+    def read_steps(self, side: Dict[str, bytes], g: Geometry) -> np.ndarray:
+        try:
+            step = np.frombuffer(side["pca_step"], dtype=np.float32).reshape(g.layers, 2)
+        except (KeyError, ValueError) as exc:
+            raise CorruptChunk(f"pca side data missing or malformed: {exc}") from None
+        if not np.isfinite(step).all():
+            raise CorruptChunk("pca side data holds non-finite steps")
+        return step
+
+    def from_coefficients(self, coeff: np.ndarray, p: Profile, g: Geometry, token_start: int) -> np.ndarray:
+        """Float16 KV from coefficients ``[layers, 2, C, tokens]``: B @ coeff + mean, RoPE re-applied."""
+        X = np.matmul(p.basis, coeff) + p.mean[:, :, :, None]  # [L, 2, C, T] (B^T inverse)
+        x = X.reshape(g.layers, 2, g.kv_heads, g.head_dim, g.tokens).transpose(0, 1, 2, 4, 3)
+        out = np.empty(g.shape, dtype=np.float16)
+        out[:, 0] = rope(np.ascontiguousarray(x[:, 0]), token_start, p.rope_theta)
+        out[:, 1] = x[:, 1]
+        return out
+
+    def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
+        g, p, coeff = self.coefficients(kv, token_start)
         step = self.steps(p)
         q = np.clip(np.rint(coeff / step[:, :, None, None]), -LIMIT, LIMIT)
         z = zigzag(q).transpose(0, 1, 3, 2).reshape(g.layers * 2, p.channels, g.tokens)  # coefficient-major
@@ -96,22 +124,105 @@ class PcaUniform(Layout):
         want = self.planes_shape(g)
         if planes.shape != want or planes.dtype != np.uint8:
             raise CorruptChunk(f"pca planes are {planes.dtype}{planes.shape}, expected uint8{want}")
-        p = self._checked(g)
-        if side.get("pca_profile") != p.digest.encode():
-            raise ForeignChunk(f"chunk was made with another {p.name} codec profile than this build ships")
-        try:
-            step = np.frombuffer(side["pca_step"], dtype=np.float32).reshape(g.layers, 2)
-        except (KeyError, ValueError) as exc:
-            raise CorruptChunk(f"pca side data missing or malformed: {exc}") from None
-        if not np.isfinite(step).all():
-            raise CorruptChunk("pca side data holds non-finite steps")
+        p = self.checked_profile(side, g)
+        step = self.read_steps(side, g)
         half = g.layers * 2
         z = planes[:half].astype(np.uint16) | (planes[half:].astype(np.uint16) << 8)
         q = unzigzag(z).reshape(g.layers, 2, p.channels, g.tokens)
         coeff = q.astype(np.float32) * step[:, :, None, None]  # [L, 2, C, T]
-        X = np.matmul(p.basis, coeff) + p.mean[:, :, :, None]  # [L, 2, C, T] = B @ coeff (B^T inverse)
-        x = X.reshape(g.layers, 2, g.kv_heads, g.head_dim, g.tokens).transpose(0, 1, 2, 4, 3)
-        out = np.empty(g.shape, dtype=np.float16)
-        out[:, 0] = rope(np.ascontiguousarray(x[:, 0]), token_start, p.rope_theta)
-        out[:, 1] = x[:, 1]
-        return out
+        return self.from_coefficients(coeff, p, g, token_start)
+
+
+class PcaVideo(PcaUniform):
+    """``pca10``: the same coefficients as 10-bit luma samples for a lossy video codec.
+
+    Each coefficient is divided by a fine step (``step`` thousandths of its (layer, K|V) RMS, the
+    ``kv_balance`` split as above) and centred on 512; the video codec's own quantizer (its QP)
+    then does the coarse quantization, on 2-D transforms of the (coefficient, token) plane. A
+    component whose values would leave 0..1023 at that step is scaled down by a power of two for
+    that chunk (side data ``pca_shift``, one byte per (layer, K|V, component); the leading
+    components of some layers need it). Planes: ``uint16 [layers * 2, C, tokens]`` (10-bit).
+
+    ``reorder=1`` puts the chunk's tokens in the order of a greedy nearest-neighbour chain (on
+    their coefficients, in fine steps, over every layer), so that neighbouring columns look alike
+    and the codec's intra prediction has something to predict; the order is side data
+    (``pca_order``, two bytes a token) and restore undoes it with one gather.
+    """
+
+    name = "pca10"
+    version = 1
+    CENTRE = 512
+    HALF = 511
+
+    def __init__(self, profile: str = DEFAULT_PROFILE, step: int = 40, kv_balance: float = 2.0,
+                 reorder: int = 0) -> None:
+        super().__init__(profile=profile, step=step, kv_balance=kv_balance)
+        if int(reorder) not in (0, 1):
+            raise ConfigError(f"reorder must be 0 or 1, got {reorder}")
+        self.reorder = int(reorder)
+
+    def planes_shape(self, g: Geometry) -> Tuple[int, int, int]:
+        return (g.layers * 2, g.kv_heads * g.head_dim, g.tokens)
+
+    def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
+        g, p, coeff = self.coefficients(kv, token_start)
+        step = self.steps(p)
+        c = coeff.transpose(0, 1, 3, 2) / step[:, :, None, None]  # [L, 2, C, T], in fine steps
+        side = {"pca_profile": p.digest.encode(), "pca_step": step.tobytes()}
+        if self.reorder:
+            order = chain_order(c.reshape(-1, g.tokens).T)
+            c = c[..., order]
+            side["pca_order"] = order.astype("<u2").tobytes()
+        peak = np.abs(c).max(axis=3)
+        shift = np.ceil(np.log2(np.maximum(peak, 1e-9) / self.HALF)).clip(0, 15).astype(np.uint8)
+        q = np.rint(c / np.exp2(shift)[..., None]) + self.CENTRE
+        planes = np.clip(q, 0, 2 * self.HALF + 1).astype(np.uint16).reshape(self.planes_shape(g))
+        side["pca_shift"] = shift.tobytes()
+        return np.ascontiguousarray(planes), side
+
+    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry, token_start: int = 0) -> np.ndarray:
+        want = self.planes_shape(g)
+        if planes.shape != want or planes.dtype != np.uint16:
+            raise CorruptChunk(f"pca10 planes are {planes.dtype}{planes.shape}, expected uint16{want}")
+        p = self.checked_profile(side, g)
+        step = self.read_steps(side, g)
+        try:
+            shift = np.frombuffer(side["pca_shift"], dtype=np.uint8).reshape(g.layers, 2, p.channels)
+        except (KeyError, ValueError) as exc:
+            raise CorruptChunk(f"pca10 side data missing or malformed: {exc}") from None
+        if int(shift.max(initial=0)) > 15:
+            raise CorruptChunk("pca10 side data holds a shift above 15")
+        scale = step[:, :, None] * np.exp2(shift).astype(np.float32)  # [L, 2, C]
+        q = planes.reshape(g.layers, 2, p.channels, g.tokens).astype(np.float32) - self.CENTRE
+        if self.reorder:
+            q = q[..., self._inverse_order(side, g.tokens)]
+        return self.from_coefficients(q * scale[..., None], p, g, token_start)
+
+    @staticmethod
+    def _inverse_order(side: Dict[str, bytes], tokens: int) -> np.ndarray:
+        try:
+            order = np.frombuffer(side["pca_order"], dtype="<u2").astype(np.int64)
+        except KeyError:
+            raise CorruptChunk("pca10 side data has no token order") from None
+        if order.size != tokens or not np.array_equal(np.sort(order), np.arange(tokens)):
+            raise CorruptChunk("pca10 token order is not a permutation of the chunk's tokens")
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(tokens)
+        return inverse
+
+
+def chain_order(x: np.ndarray) -> np.ndarray:
+    """A greedy nearest-neighbour chain through the rows of ``x`` ``[n, d]``, from row 0."""
+    n = x.shape[0]
+    sq = np.einsum("ij,ij->i", x, x)
+    dist = sq[:, None] + sq[None, :] - 2.0 * (x @ x.T)
+    taken = np.zeros(n, dtype=bool)
+    order = np.empty(n, dtype=np.int64)
+    cur = 0
+    for i in range(n):
+        order[i] = cur
+        taken[cur] = True
+        if i + 1 < n:
+            row = np.where(taken, np.inf, dist[cur])
+            cur = int(np.argmin(row))
+    return order
