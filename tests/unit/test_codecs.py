@@ -196,3 +196,56 @@ def test_hevc_decoder_is_made_once_and_released_by_close(q8, lossless_stream):
     assert codec.decoder is first
     codec.close()
     assert codec._decoder is None
+
+
+@pytest.fixture(scope="module")
+def planes10():
+    """10-bit planes with structure along both axes (smooth rows and columns plus noise)."""
+    rng = np.random.default_rng(4)
+    rows, cols = np.meshgrid(np.arange(64), np.arange(128), indexing="ij")
+    base = 512 + 300 * np.sin(rows / 9.0)[None] * np.cos(cols / 17.0)[None]
+    return np.clip(base + rng.normal(0, 20, (3, 64, 128)), 0, 1023).astype(np.uint16)
+
+
+def test_10bit_hevc_is_main10_and_lossless_mode_is_bit_exact(planes10):
+    codec = Hevc(lossless=True, bit_depth=10)
+    assert codec.params == {"lossless": True, "qp": 0, "preset": "ultrafast", "bit_depth": 10}
+    data = codec.encode(planes10)
+    out = codec.decode(data, planes10.shape)
+    assert out.dtype == np.uint16 and np.array_equal(out, planes10)
+    ctx, frames = _decode_all(data)
+    assert len(frames) == 3 and frames[0].format.name == "yuv420p10le"
+    assert ctx.profile == "Main 10", f"PyAV reports HEVC profile {ctx.profile!r}, expected 'Main 10'"
+    assert (frames[0].to_ndarray()[64:] == 512).all()  # chroma held at mid-grey
+
+
+def test_10bit_lossy_hevc_error_grows_with_qp_and_bytes_shrink(planes10):
+    sizes, errors = {}, {}
+    for qp in (4, 16):
+        codec = Hevc(lossless=False, qp=qp, bit_depth=10, preset="medium", tune="mse")
+        data = codec.encode(planes10)
+        out = codec.decode(data, planes10.shape)
+        sizes[qp] = len(data)
+        errors[qp] = np.abs(out.astype(np.int32) - planes10).mean()
+    assert errors[4] < errors[16] and sizes[4] > sizes[16]
+    assert errors[4] < 4, f"mean error {errors[4]:.2f} of 1024 levels at qp 4"
+
+
+def test_hevc_tune_mse_turns_psycho_visual_tuning_off():
+    plain, mse = Hevc(lossless=False, qp=7), Hevc(lossless=False, qp=7, tune="mse")
+    assert "tune" not in plain.params and mse.params["tune"] == "mse"
+    assert "psy-rd=0" in mse.x265_params() and "psy-rd" not in plain.x265_params()
+
+
+def test_hevc_sample_type_must_match_the_bit_depth(planes10):
+    with pytest.raises(ValueError, match="uint16"):
+        Hevc(bit_depth=10).encode(planes10.astype(np.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        Hevc().encode(planes10)
+    with pytest.raises(ValueError, match="bit_depth"):
+        Hevc(bit_depth=12)
+
+
+def test_an_8bit_stream_read_as_10bit_is_corrupt(q8, lossless_stream):
+    with pytest.raises(CorruptChunk, match="yuv420p10le"):
+        Hevc(lossless=True, bit_depth=10).decode(lossless_stream, q8[1].shape)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvcodec.chunk import ChunkDecoder, ChunkEncoder, restore
-from kvcodec.errors import ConfigError, ForeignChunk
+from kvcodec.errors import ConfigError, CorruptChunk, ForeignChunk
 from kvcodec.geometry import Geometry
 from kvcodec.layout import get_layout
 from kvcodec.profiles import DEFAULT_PROFILE, fit_profile, load_profile, read_profile, save_profile
@@ -110,3 +110,58 @@ def test_the_shipped_profile_is_smollm2s():
     # most of the variance in few components, keys (before RoPE) more than values
     share = p.variance[..., :32].sum(-1) / p.variance.sum(-1)
     assert share[:, 0].mean() > 0.7 and share[:, 1].mean() > 0.5
+
+
+# --- pca10: the coefficients as 10-bit samples for the video codec (scheme "video") ---
+
+@pytest.mark.parametrize("reorder", [0, 1])
+def test_pca10_round_trip_error_is_bounded_by_the_scaled_step(tiny_profile, reorder):
+    kv = structured_kv(11, token_start=256)
+    g = Geometry.of(kv)
+    layout = get_layout("pca10", profile=TINY_PROFILE, step=40, reorder=reorder)
+    planes, side = layout.to_planes(kv, token_start=256)
+    assert planes.dtype == np.uint16 and planes.shape == layout.planes_shape(g) == (4 * 2, 192, 256)
+    assert planes.max() <= 1023
+    shift = np.frombuffer(side["pca_shift"], dtype=np.uint8).reshape(4, 2, 192)
+    assert shift.max() <= 15 and ("pca_order" in side) == bool(reorder)
+    out = layout.from_planes(planes, side, g, token_start=256)
+    assert out.dtype == np.float16 and out.shape == kv.shape
+    # per vector: |err| <= |step * 2^shift / 2| over the components (orthonormal basis) + float16
+    step = layout.steps(layout.profile)[:, :, None] * np.exp2(shift)
+    bound = np.sqrt((step ** 2).sum(-1)) / 2 * 1.05 + 0.01
+    err = (out.astype(np.float64) - kv).transpose(0, 1, 3, 2, 4).reshape(4, 2, 256, 192)
+    assert (np.linalg.norm(err, axis=-1) <= bound[:, :, None]).all()
+
+
+def test_pca10_reorder_chains_neighbours_and_restore_undoes_it(tiny_profile):
+    kv = structured_kv(12)
+    layout = get_layout("pca10", profile=TINY_PROFILE, reorder=1)
+    planes, side = layout.to_planes(kv, token_start=0)
+    order = np.frombuffer(side["pca_order"], dtype="<u2")
+    assert sorted(order.tolist()) == list(range(256)) and order[0] == 0
+    # neighbouring columns are closer than in token order
+    cols = planes.astype(np.float64).reshape(-1, 256)
+    plain = get_layout("pca10", profile=TINY_PROFILE).to_planes(kv, token_start=0)[0].astype(np.float64).reshape(-1, 256)
+    assert np.abs(np.diff(cols, axis=1)).mean() < np.abs(np.diff(plain, axis=1)).mean()
+    g = Geometry.of(kv)
+    a = layout.from_planes(planes, side, g, token_start=0)
+    b = get_layout("pca10", profile=TINY_PROFILE).from_planes(*get_layout("pca10", profile=TINY_PROFILE).to_planes(kv, token_start=0), g, token_start=0)
+    assert np.abs(a.astype(np.float32) - b).max() < 0.02  # the same values, put back in place
+
+
+@pytest.mark.parametrize("damage, match", [
+    ({"pca_order": np.zeros(256, "<u2").tobytes()}, "not a permutation"),
+    ({"pca_order": b"\x00\x01"}, "not a permutation"),
+    ({"pca_shift": b"\x10" * (4 * 2 * 192)}, "shift above 15"),
+    ({"pca_shift": b"\x00"}, "malformed"),
+])
+def test_pca10_bad_side_data_is_corrupt(tiny_profile, damage, match):
+    kv = structured_kv(13)
+    layout = get_layout("pca10", profile=TINY_PROFILE, reorder=1)
+    planes, side = layout.to_planes(kv, token_start=0)
+    with pytest.raises(CorruptChunk, match=match):
+        layout.from_planes(planes, dict(side, **damage), Geometry.of(kv), token_start=0)
+    with pytest.raises(CorruptChunk, match="uint16"):
+        layout.from_planes(planes.astype(np.uint8), side, Geometry.of(kv), token_start=0)
+    with pytest.raises(ConfigError, match="reorder"):
+        get_layout("pca10", reorder=2)
