@@ -41,10 +41,11 @@ eval: setup
 	$(BIN)/kvcodec rd --json perf/results/rd.json --plot perf/results/rd.png
 
 # TTFT of reuse and of full prefill with Triton's perf_analyzer (own venv .venv-pa/): a real
-# tritonserver on free ports, a file store under .cache/perf; writes perf/results/perf_analyzer.json.
+# tritonserver fetching from nginx across a throttled link at each rate (root: network namespaces
+# + tc; else the userspace shaper); writes perf/results/perf_analyzer.json.
 .PHONY: perf
 perf: setup
-	$(BIN)/python perf/run_perf.py
+	$(BIN)/python perf/run_perf.py --bandwidth-mbps 100,1000,10000
 
 clean:
 	rm -rf $(VENV) .cache

@@ -6,22 +6,30 @@
    ``<home>`` (default ``.cache/perf``);
 3. starts tritonserver on free ports, warms it up and checks that the reuse prompt is served
    from the store (reused_tokens > 0), else stops;
-4. runs perf_analyzer with the reuse input, then the prefill input, at each target (for now one:
-   the local server, no throttled link), and writes ``perf/results/perf_analyzer.json``.
+4. runs perf_analyzer with the reuse input, then the prefill input, and writes
+   ``perf/results/perf_analyzer.json``.
+
+With ``--bandwidth-mbps LIST`` (``make perf``: 100, 1000, 10000) the store is nginx (writes need
+a bearer token) and, for each rate, it sits behind a throttled link (``kvcodec.link``: a network
+namespace with tc, else the userspace shaper; each row's ``link`` says which) with tritonserver
+fetching across it; the context is ingested once over loopback. Reuse is measured at every rate,
+prefill (which fetches nothing) at the first. Without it: one local server, a file store.
 
 Exits non-zero when perf_analyzer fails or is unstable, or when the reuse rows did not reuse.
-The link is not wired in yet: ``targets_for(server)`` is where throttled targets will come from.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import socket
+import os
+import secrets
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -37,19 +45,76 @@ KVCODEC = Path(sys.executable).parent / "kvcodec"
 from kvcodec_client.ports import free_ports  # noqa: E402
 
 
-def targets_for(server) -> List[Target]:
-    """Where perf_analyzer measures: the local server, no link in between (for now)."""
-    return [Target("local", None, server.grpc_url)]
+def _rates(text: str) -> List[float]:
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma list of Mbit/s, got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be positive Mbit/s, got {text!r}")
+    return rates
+
+
+@contextlib.contextmanager
+def local_server(settings) -> Iterator[Tuple[object, Target, dict]]:
+    """One tritonserver on this host's store: no link in between."""
+    from kvcodec.tritonserver import Ports, TritonServer
+
+    with TritonServer(REPO_ROOT / "model_repository", settings, Ports(*free_ports(3))) as server:
+        yield server, Target("local", None, server.grpc_url), {}
+
+
+@contextlib.contextmanager
+def server_across_link(settings, nginx_root: Path, token: str, rate: float, delay_ms: float,
+                       mode: str) -> Iterator[Tuple[object, Target, dict]]:
+    """nginx behind a link of ``rate`` Mbit/s, and a tritonserver whose store is across it."""
+    from kvcodec.link import open_link
+    from kvcodec.services.nginx import NginxStore
+    from kvcodec.tritonserver import Ports, TritonServer
+
+    with open_link(rate, delay_ms, mode) as link:
+        (port,) = free_ports(1)
+        with NginxStore(nginx_root, link.server_host, port, token, wrap=link.wrap):
+            host, exposed = link.expose(port)
+            across = replace(settings, store=f"http://{host}:{exposed}/kv")
+            with TritonServer(REPO_ROOT / "model_repository", across, Ports(*free_ports(3))) as server:
+                yield server, Target(f"{rate:g}Mbps", rate, server.grpc_url), dict(link.describe(), store_url=across.store)
 
 
 def ingest(settings, context_file: Path) -> dict:
     cmd = [str(KVCODEC), "ingest", "--home", str(settings.home), "--store", settings.store,
            "--model-cache", str(settings.model_cache), "--threads", "1",
            "--text-file", str(context_file), "--json", "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
     if proc.returncode != 0:
         raise SystemExit(f"run_perf: kvcodec ingest failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout)
+
+
+def _ingest(settings, context_file: Path) -> None:
+    print(f"ingesting the context (kvcodec ingest) into {settings.store} ...", flush=True)
+    report = ingest(settings, context_file)  # exits with the CLI's error if it fails
+    print(f"  {report['chunks']} chunks ({report['written']} new), {report['bytes_written']} bytes", flush=True)
+
+
+def _measure(server, target: Target, inputs, prompt_ids, meta, args, home: Path) -> Optional[List[dict]]:
+    """Warm up, check the reuse prompt reuses, then perf_analyzer on each input file."""
+    from kvcodec_client.client import KVCodecClient
+
+    client = KVCodecClient(server.grpc_url, "grpc")
+    client.generate(prompt_ids[:32], 2, reuse=False)  # warm-up: first calls pay one-time costs
+    client.generate(prompt_ids, 1, reuse=True)  # the fetcher's first estimate of the link
+    check = client.generate(prompt_ids, 1, reuse=True)
+    print(f"  reuse check: {check.reused_tokens} of {len(prompt_ids)} prompt tokens reused", flush=True)
+    if check.reused_tokens <= 0:
+        print(f"run_perf: the reuse prompt reused nothing (stats {check.stats})", file=sys.stderr)
+        return None
+    try:
+        return run_targets([target], inputs, meta["context_tokens"], request_count=args.request_count,
+                           work_dir=home / "perf_analyzer" / target.label)
+    except PerfAnalyzerError as exc:
+        print(f"run_perf: {exc}", file=sys.stderr)
+        return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -63,12 +128,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--max-tokens", type=int, default=make_inputs.MAX_TOKENS)
     p.add_argument("--request-count", type=int, default=3, help="perf_analyzer --measurement-request-count")
     p.add_argument("--output", type=Path, default=RESULTS_PATH)
+    p.add_argument("--bandwidth-mbps", type=_rates, default=None,
+                   help="measure across a throttled link at each of these rates (default: no link)")
+    p.add_argument("--delay-ms", type=float, default=1.0, help="the link's one-way delay")
+    p.add_argument("--link-mode", choices=("auto", "netns", "userspace"), default="auto")
     args = p.parse_args(argv)
 
     from kvcodec.engines.model_files import ensure_model
+    from kvcodec.services.nginx import NginxStore
     from kvcodec.settings import Settings
-    from kvcodec.tritonserver import Ports, TritonServer
-    from kvcodec_client.client import KVCodecClient
 
     t_start = time.perf_counter()
     print("perf_analyzer: setting up .venv-pa/ ...", flush=True)
@@ -97,36 +165,40 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"context: {meta['context_tokens']} tokens ({meta['source']}), prompt {meta['prompt_tokens']} tokens, "
           f"max_tokens {meta['max_tokens']}; store {settings.store}", flush=True)
 
-    print("ingesting the context (kvcodec ingest) ...", flush=True)
-    report = ingest(settings, files["context"])
-    print(f"  {report['chunks']} chunks ({report['written']} new), {report['bytes_written']} bytes", flush=True)
+    if args.bandwidth_mbps:
+        token = secrets.token_hex(16)
+        os.environ["KVCODEC_STORE_TOKEN"] = token  # nginx takes writes only with it; ingest inherits it
+        nginx_root = home / "nginx"
+        (port,) = free_ports(1)
+        with NginxStore(nginx_root, "127.0.0.1", port, token) as nginx:
+            _ingest(replace(settings, store=nginx.url), files["context"])
+        servers = [lambda rate=rate: server_across_link(settings, nginx_root, token, rate, args.delay_ms,
+                                                        args.link_mode) for rate in args.bandwidth_mbps]
+    else:
+        _ingest(settings, files["context"])
+        servers = [lambda: local_server(settings)]
 
-    print("starting tritonserver ...", flush=True)
-    t0 = time.perf_counter()
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(REPO_ROOT / "model_repository", settings, Ports(http, grpc, metrics)) as server:
-        print(f"  ready in {time.perf_counter() - t0:.1f} s (gRPC {server.grpc_url}, log {server.log_path})",
-              flush=True)
-        client = KVCodecClient(server.grpc_url, "grpc")
-        client.generate(prompt_ids[:32], 2, reuse=False)  # warm-up: first calls pay one-time costs
-        check = client.generate(prompt_ids, 1, reuse=True)
-        print(f"  reuse check: {check.reused_tokens} of {len(prompt_ids)} prompt tokens reused", flush=True)
-        if check.reused_tokens <= 0:
-            print(f"run_perf: the reuse prompt reused nothing (stats {check.stats})", file=sys.stderr)
-            return 1
-        try:
-            rows = run_targets(targets_for(server), [files["reuse"], files["prefill"]], meta["context_tokens"],
-                               request_count=args.request_count, work_dir=home / "perf_analyzer")
-        except PerfAnalyzerError as exc:
-            print(f"run_perf: {exc}", file=sys.stderr)
-            return 1
+    rows: List[dict] = []
+    for i, make_server in enumerate(servers):
+        inputs = [files["reuse"], files["prefill"]] if i == 0 else [files["reuse"]]
+        t0 = time.perf_counter()
+        with make_server() as (server, target, link):
+            print(f"[{target.label}] tritonserver ready in {time.perf_counter() - t0:.1f} s "
+                  f"(gRPC {server.grpc_url}, log {server.log_path}){'; link ' + link['kind'] if link else ''}",
+                  flush=True)
+            got = _measure(server, target, inputs, prompt_ids, meta, args, home)
+            if got is None:
+                return 1
+            for row in got:
+                row["link"] = link.get("kind", "none")
+            rows += got
     write_results(rows, args.output, version)
 
     print()
-    print(f"{'label':<10}{'Mbit/s':>8}{'reuse':>7}{'requests':>10}{'p50 s':>9}{'p90 s':>9}{'mean s':>9}{'reused':>8}")
+    print(f"{'label':<10}{'Mbit/s':>8}{'link':>10}{'reuse':>7}{'requests':>10}{'p50 s':>9}{'p90 s':>9}{'mean s':>9}{'reused':>8}")
     for r in rows:
         mbps = "-" if r["bandwidth_mbps"] is None else f"{r['bandwidth_mbps']:g}"
-        print(f"{r['label']:<10}{mbps:>8}{str(r['reuse']).lower():>7}{r['requests']:>10}{r['ttft_p50_s']:>9.3f}"
+        print(f"{r['label']:<10}{mbps:>8}{r['link']:>10}{str(r['reuse']).lower():>7}{r['requests']:>10}{r['ttft_p50_s']:>9.3f}"
               f"{r['ttft_p90_s']:>9.3f}{r['ttft_mean_s']:>9.3f}{str(r['reused_tokens']):>8}")
     print(f"\nwrote {args.output} in {time.perf_counter() - t_start:.0f} s")
     bad = [r["label"] for r in rows if r["reuse"] and not (r["reused_tokens"] or 0) > 0]

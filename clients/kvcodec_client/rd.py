@@ -4,7 +4,8 @@ For each text of ``kvcodec.evalset.EVAL_SET`` the original run is computed once 
 teacher-forced log-probabilities, greedy tokens), then each setting's KV is encoded, decoded,
 restored and compared (``kvcodec.evaluate.compare``). Texts are shared out over worker processes
 (one torch thread each). Then, in the main process alone, each setting's decode + restore speed is
-measured on one text with ``--decode-threads`` threads (2: the issue's CPU budget), so that figure
+measured on one text with ``--decode-threads`` threads for the decoder and for restore's torch
+matrix product (2: the issue's CPU budget), so that figure
 is not slowed by the other workers.
 
 The JSON holds every (text, setting) row, and per setting the summary: ``ratio_vs_fp16`` (total
@@ -237,6 +238,7 @@ def _speeds(config: RdConfig) -> Dict[str, float]:
     (_, ids), = evalset.load(evalset.EVAL_SET[:1], engine.tokenize, config.prefix_tokens)
     chunks = list(engine.prefill_chunks(ids, config.chunk_tokens))
     del engine
+    torch.set_num_threads(config.decode_threads)  # restore's matrix product gets the same budget
     return decode_speed(config, chunks, _model_id(config))
 
 

@@ -50,3 +50,41 @@ def test_perf_analyzer_ttft_reuse_and_prefill(server, settings, tokenizer, perf_
         assert "--streaming" in row["perf_analyzer_args"]
     assert reuse["reuse"] is True and reuse["reused_tokens"] == check.reused_tokens
     assert prefill["reuse"] is False and prefill["reused_tokens"] == 0
+
+
+def test_make_perf_script_across_a_throttled_link(settings, tokenizer, perf_analyzer, tmp_path):
+    """perf/run_perf.py as `make perf` runs it, on a tiny context and one link rate."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    source = tmp_path / "tiny.py"
+    source.write_text(text_of(tokenizer, "textwrap.py", 300))
+    out = tmp_path / "perf_analyzer.json"
+    proc = subprocess.run([sys.executable, str(REPO / "perf" / "run_perf.py"), "--home", str(tmp_path / "home"),
+                           "--model-cache", str(settings.model_cache), "--text-file", str(source),
+                           "--max-tokens", "2", "--request-count", "2", "--bandwidth-mbps", "1000",
+                           "--output", str(out)], capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["perf_analyzer_version"] == perf_analyzer
+    reuse, prefill = doc["rows"]
+    for row in (reuse, prefill):
+        assert row["label"] == "1000Mbps" and row["bandwidth_mbps"] == 1000
+        assert row["link"] in ("netns", "userspace")
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] and row["requests"] >= 2 * 3
+    assert reuse["reuse"] is True and reuse["reused_tokens"] >= settings.chunk_tokens
+    assert prefill["reuse"] is False and prefill["reused_tokens"] == 0
+    assert "1000Mbps" in proc.stdout and "link" in proc.stdout
+
+
+def test_make_perf_script_refuses_bad_rates(tmp_path):
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    proc = subprocess.run([sys.executable, str(REPO / "perf" / "run_perf.py"), "--bandwidth-mbps", "0,fast",
+                           "--home", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Mbit/s" in proc.stderr

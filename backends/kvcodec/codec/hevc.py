@@ -39,6 +39,9 @@ class PyAVDecoder:
         av = self._av
         ctx = av.CodecContext.create("hevc", "r")
         ctx.thread_count = self._threads
+        # Frame threads as well as slice (WPP) threads: every frame is an IDR picture, so frames
+        # decode side by side (PyAV's default is slice threads only: 1.6x slower at 2 threads).
+        ctx.thread_type = "AUTO"
         out: List[np.ndarray] = []
         try:
             for packet in ctx.parse(data) + ctx.parse(None):

@@ -18,7 +18,7 @@ Side data: the profile digest (``pca_profile``) and the float32 steps (``pca_ste
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -102,9 +102,11 @@ class PcaUniform(Layout):
             raise CorruptChunk("pca side data holds non-finite steps")
         return step
 
-    def from_coefficients(self, coeff: np.ndarray, p: Profile, g: Geometry, token_start: int) -> np.ndarray:
-        """Float16 KV from coefficients ``[layers, 2, C, tokens]``: B @ coeff + mean, RoPE re-applied."""
-        X = np.matmul(p.basis, coeff) + p.mean[:, :, :, None]  # [L, 2, C, T] (B^T inverse)
+    def from_coefficients(self, coeff: np.ndarray, p: Profile, g: Geometry, token_start: int,
+                          basis: Optional[np.ndarray] = None, offset: Optional[np.ndarray] = None) -> np.ndarray:
+        """Float16 KV from coefficients ``[layers, 2, C, tokens]``: ``basis @ coeff + offset``
+        (default: the profile's basis and mean), then RoPE re-applied to the keys."""
+        X = synthesize(p.basis if basis is None else basis, coeff, p.mean if offset is None else offset)
         x = X.reshape(g.layers, 2, g.kv_heads, g.head_dim, g.tokens).transpose(0, 1, 2, 4, 3)
         out = np.empty(g.shape, dtype=np.float16)
         out[:, 0] = rope(np.ascontiguousarray(x[:, 0]), token_start, p.rope_theta)
@@ -193,10 +195,14 @@ class PcaVideo(PcaUniform):
         if int(shift.max(initial=0)) > 15:
             raise CorruptChunk("pca10 side data holds a shift above 15")
         scale = step[:, :, None] * np.exp2(shift).astype(np.float32)  # [L, 2, C]
-        q = planes.reshape(g.layers, 2, p.channels, g.tokens).astype(np.float32) - self.CENTRE
+        q = planes.reshape(g.layers, 2, p.channels, g.tokens)
         if self.reorder:
-            q = q[..., self._inverse_order(side, g.tokens)]
-        return self.from_coefficients(q * scale[..., None], p, g, token_start)
+            q = q[..., self._inverse_order(side, g.tokens)]  # the gather on 2-byte samples
+        # basis @ ((q - 512) * scale) + mean, with the scale folded into the basis' columns and
+        # the centre into the offset: one matrix product over the samples as they come
+        basis = p.basis * scale[:, :, None, :]
+        offset = p.mean - self.CENTRE * basis.sum(axis=-1)
+        return self.from_coefficients(q, p, g, token_start, basis=basis, offset=offset)
 
     @staticmethod
     def _inverse_order(side: Dict[str, bytes], tokens: int) -> np.ndarray:
@@ -209,6 +215,18 @@ class PcaVideo(PcaUniform):
         inverse = np.empty_like(order)
         inverse[order] = np.arange(tokens)
         return inverse
+
+
+def synthesize(basis: np.ndarray, coeff: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """``basis @ coeff + offset[..., None]`` in float32, batched over (layer, K|V): torch's matmul
+    (about twice numpy's on this CPU; the same call on the engine's device)."""
+    import torch
+
+    b = torch.from_numpy(np.ascontiguousarray(basis, dtype=np.float32))
+    c = torch.from_numpy(np.ascontiguousarray(coeff)).to(torch.float32)
+    out = torch.matmul(b, c)
+    out += torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32))[..., None]
+    return out.numpy()
 
 
 def chain_order(x: np.ndarray) -> np.ndarray:
