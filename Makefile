@@ -32,7 +32,7 @@ integration: setup
 
 # The TTFT sweep of the TTFT issue (root: network namespaces + tc; else the userspace shaper).
 bench: setup
-	$(BIN)/kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 \
+	$(BIN)/kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --runs 5 \
 		--json perf/results/ttft.json --plot perf/results/ttft.png
 
 # Every codec at several settings over the eval set (22 texts): perf/results/rd.json and rd.png.
