@@ -3,7 +3,8 @@
 1. sets up perf_analyzer (``.venv-pa/``, ``perf_analyzer_env.sh``);
 2. takes the committed inputs ``perf/inputs/default.*`` (or makes them for ``--text-file``, into
    ``<home>/inputs/``), and ingests the context with ``kvcodec ingest`` into a file store under
-   ``<home>`` (default ``.cache/perf``);
+   ``<home>`` (default ``.cache/perf``), at every rung of ``--ladder`` (by default the bench's:
+   transform-zstd, video, int8-zstd, raw; the server's adaptive fetcher chooses per chunk);
 3. starts tritonserver on free ports, warms it up and checks that the reuse prompt is served
    from the store (reused_tokens > 0), else stops;
 4. runs perf_analyzer with the reuse input, then the prefill input, and writes
@@ -42,6 +43,7 @@ from perf.perf_analyzer import (RESULTS_PATH, PerfAnalyzerError, Target, ensure_
 KVCODEC = Path(sys.executable).parent / "kvcodec"
 
 
+from kvcodec_client.bench import DEFAULT_LADDER  # noqa: E402
 from kvcodec_client.ports import free_ports  # noqa: E402
 
 
@@ -84,7 +86,7 @@ def server_across_link(settings, nginx_root: Path, token: str, rate: float, dela
 def ingest(settings, context_file: Path) -> dict:
     cmd = [str(KVCODEC), "ingest", "--home", str(settings.home), "--store", settings.store,
            "--model-cache", str(settings.model_cache), "--threads", "1",
-           "--text-file", str(context_file), "--json", "--quiet"]
+           "--text-file", str(context_file), "--codec", ",".join(settings.codecs), "--json", "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
     if proc.returncode != 0:
         raise SystemExit(f"run_perf: kvcodec ingest failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -132,6 +134,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="measure across a throttled link at each of these rates (default: no link)")
     p.add_argument("--delay-ms", type=float, default=1.0, help="the link's one-way delay")
     p.add_argument("--link-mode", choices=("auto", "netns", "userspace"), default="auto")
+    p.add_argument("--ladder", default=DEFAULT_LADDER,
+                   help="the rungs ingest stores and the server's adaptive fetcher chooses from")
     args = p.parse_args(argv)
 
     from kvcodec.engines.model_files import ensure_model
@@ -145,7 +149,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     home = args.home.resolve()
     settings = Settings.load({"home": str(home), "store": f"file://{home / 'store'}",
-                              "model_cache": str(args.model_cache.resolve()), "threads": "1"}, env={})
+                              "model_cache": str(args.model_cache.resolve()), "threads": "1",
+                              "codecs": args.ladder}, env={})
     ensure_model(settings.model_cache)
     if args.text_file:
         tokenizer = make_inputs.load_tokenizer(settings.model_cache)
