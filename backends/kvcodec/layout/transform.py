@@ -122,12 +122,16 @@ class PcaUniform(Layout):
         side = {"pca_profile": p.digest.encode(), "pca_step": step.tobytes()}
         return np.ascontiguousarray(planes), side
 
-    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry, token_start: int = 0) -> np.ndarray:
+    def opened(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry, dtype) -> Tuple[Profile, np.ndarray]:
+        """The profile and the steps a chunk's planes restore with, once its planes are checked."""
         want = self.planes_shape(g)
-        if planes.shape != want or planes.dtype != np.uint8:
-            raise CorruptChunk(f"pca planes are {planes.dtype}{planes.shape}, expected uint8{want}")
-        p = self.checked_profile(side, g)
-        step = self.read_steps(side, g)
+        if planes.shape != want or planes.dtype != dtype:
+            raise CorruptChunk(f"{self.name} planes are {planes.dtype}{planes.shape}, "
+                               f"expected {np.dtype(dtype).name}{want}")
+        return self.checked_profile(side, g), self.read_steps(side, g)
+
+    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry, token_start: int = 0) -> np.ndarray:
+        p, step = self.opened(planes, side, g, np.uint8)
         half = g.layers * 2
         z = planes[:half].astype(np.uint16) | (planes[half:].astype(np.uint16) << 8)
         q = unzigzag(z).reshape(g.layers, 2, p.channels, g.tokens)
@@ -183,11 +187,7 @@ class PcaVideo(PcaUniform):
         return np.ascontiguousarray(planes), side
 
     def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry, token_start: int = 0) -> np.ndarray:
-        want = self.planes_shape(g)
-        if planes.shape != want or planes.dtype != np.uint16:
-            raise CorruptChunk(f"pca10 planes are {planes.dtype}{planes.shape}, expected uint16{want}")
-        p = self.checked_profile(side, g)
-        step = self.read_steps(side, g)
+        p, step = self.opened(planes, side, g, np.uint16)
         try:
             shift = np.frombuffer(side["pca_shift"], dtype=np.uint8).reshape(g.layers, 2, p.channels)
         except (KeyError, ValueError) as exc:
