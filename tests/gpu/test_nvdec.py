@@ -59,3 +59,20 @@ def test_nvdec_decodes_streams_of_another_size_with_the_same_decoder(nvdec):
         data = Hevc().encode(planes)
         out = np.stack(nvdec.decode(data, planes.shape[2], planes.shape[1]))
         assert np.array_equal(out, planes)
+
+
+@pytest.mark.parametrize("lossless,qp", [(True, 0), (False, 7)])
+def test_nvdec_10bit_output_equals_software_output(nvdec, lossless, qp):
+    """The video rung's streams: HEVC Main10 (P016 out of NVDEC, 10 bits at the top of each word)."""
+    rng = np.random.default_rng(5)
+    rows, cols = np.meshgrid(np.arange(192), np.arange(256), indexing="ij")
+    base = 512 + 300 * np.sin(rows / 11.0)[None] * np.cos(cols / 23.0)[None]
+    planes = np.clip(base + rng.normal(0, 15, (8, 192, 256)), 0, 1023).astype(np.uint16)
+    codec = Hevc(lossless=lossless, qp=qp, bit_depth=10, preset="medium", tune="mse")
+    data = codec.encode(planes)
+    hw = np.stack(nvdec.decode(data, 256, 192, 10))
+    sw = np.stack(PyAVDecoder().decode(data, 256, 192, 10))
+    assert hw.dtype == sw.dtype == np.uint16 and hw.shape == sw.shape == planes.shape
+    assert np.array_equal(hw, sw), f"{int((hw != sw).sum())} of {hw.size} samples differ"
+    if lossless:
+        assert np.array_equal(hw, planes)
