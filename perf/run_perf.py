@@ -168,7 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     meta = json.loads(files["meta"].read_text())
     prompt_ids = json.loads(files["reuse"].read_text())["data"][0]["input_ids"]["content"]
     print(f"context: {meta['context_tokens']} tokens ({meta['source']}), prompt {meta['prompt_tokens']} tokens, "
-          f"max_tokens {meta['max_tokens']}; store {settings.store}", flush=True)
+          f"max_tokens {meta['max_tokens']}", flush=True)
 
     if args.bandwidth_mbps:
         token = secrets.token_hex(16)

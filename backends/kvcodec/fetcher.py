@@ -127,9 +127,17 @@ class Fetcher:
     def _recompute_reason(self, plan: Plan, index: int) -> str:
         """Why the chunks from ``index`` on are better recomputed, or '' if fetching them is faster."""
         remaining = plan.n_chunks - index
-        per_chunk = [min(e.stage_s for e in self.estimates(plan, j)) for j in range(index, plan.n_chunks)]
-        last = min(self.estimates(plan, plan.n_chunks - 1), key=lambda e: e.stage_s)
-        fetch_s = sum(per_chunk) + last.decode_s + last.restore_s  # the pipeline drains after the last transfer
+        # A chunk's estimates depend only on which rungs hold it: one estimate per set of rungs,
+        # not one per remaining chunk (which made each request quadratic in its chunks).
+        best: Dict[Tuple[str, ...], Estimate] = {}
+        per_chunk: List[Estimate] = []
+        for j in range(index, plan.n_chunks):
+            rungs = tuple(scheme.identity for scheme, _ in plan.candidates(j))
+            if rungs not in best:
+                best[rungs] = min(self.estimates(plan, j), key=lambda e: e.stage_s)
+            per_chunk.append(best[rungs])
+        last = per_chunk[-1]
+        fetch_s = sum(e.stage_s for e in per_chunk) + last.decode_s + last.restore_s  # the pipeline drains
         compute_s = self.costs.prefill_s_per_token * remaining * self.chunk_tokens
         if fetch_s <= compute_s:
             return ""
