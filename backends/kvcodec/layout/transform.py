@@ -18,7 +18,7 @@ Side data: the profile digest (``pca_profile``) and the float32 steps (``pca_ste
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -102,11 +102,11 @@ class PcaUniform(Layout):
             raise CorruptChunk("pca side data holds non-finite steps")
         return step
 
-    def from_coefficients(self, coeff: np.ndarray, p: Profile, g: Geometry, token_start: int,
-                          basis: Optional[np.ndarray] = None, offset: Optional[np.ndarray] = None) -> np.ndarray:
-        """Float16 KV from coefficients ``[layers, 2, C, tokens]``: ``basis @ coeff + offset``
-        (default: the profile's basis and mean), then RoPE re-applied to the keys."""
-        X = synthesize(p.basis if basis is None else basis, coeff, p.mean if offset is None else offset)
+    def restore_kv(self, q: np.ndarray, basis: np.ndarray, offset: np.ndarray, p: Profile, g: Geometry,
+                   token_start: int) -> np.ndarray:
+        """Float16 KV from the stored integers ``q`` ``[layers, 2, C, tokens]``: ``basis @ q + offset``
+        (the layout's scales folded into ``basis``, its centre into ``offset``), RoPE re-applied."""
+        X = synthesize(basis, q, offset)
         x = X.reshape(g.layers, 2, g.kv_heads, g.head_dim, g.tokens).transpose(0, 1, 2, 4, 3)
         out = np.empty(g.shape, dtype=np.float16)
         out[:, 0] = rope(np.ascontiguousarray(x[:, 0]), token_start, p.rope_theta)
@@ -135,8 +135,7 @@ class PcaUniform(Layout):
         half = g.layers * 2
         z = planes[:half].astype(np.uint16) | (planes[half:].astype(np.uint16) << 8)
         q = unzigzag(z).reshape(g.layers, 2, p.channels, g.tokens)
-        coeff = q.astype(np.float32) * step[:, :, None, None]  # [L, 2, C, T]
-        return self.from_coefficients(coeff, p, g, token_start)
+        return self.restore_kv(q, p.basis * step[:, :, None, None], p.mean, p, g, token_start)
 
 
 class PcaVideo(PcaUniform):
@@ -202,7 +201,7 @@ class PcaVideo(PcaUniform):
         # the centre into the offset: one matrix product over the samples as they come
         basis = p.basis * scale[:, :, None, :]
         offset = p.mean - self.CENTRE * basis.sum(axis=-1)
-        return self.from_coefficients(q, p, g, token_start, basis=basis, offset=offset)
+        return self.restore_kv(q, basis, offset, p, g, token_start)
 
     @staticmethod
     def _inverse_order(side: Dict[str, bytes], tokens: int) -> np.ndarray:
@@ -218,8 +217,8 @@ class PcaVideo(PcaUniform):
 
 
 def synthesize(basis: np.ndarray, coeff: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """``basis @ coeff + offset[..., None]`` in float32, batched over (layer, K|V): torch's matmul
-    (about twice numpy's on this CPU; the same call on the engine's device)."""
+    """``basis @ coeff + offset[..., None]`` in float32, batched over (layer, K|V), by torch's matmul
+    (about twice numpy's on this CPU)."""
     import torch
 
     b = torch.from_numpy(np.ascontiguousarray(basis, dtype=np.float32))
