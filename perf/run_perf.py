@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import secrets
 import subprocess
 import sys
 import time
@@ -45,6 +43,7 @@ KVCODEC = Path(sys.executable).parent / "kvcodec"
 
 from kvcodec_client.bench import DEFAULT_LADDER  # noqa: E402
 from kvcodec_client.ports import free_ports  # noqa: E402
+from kvcodec_client.remote_store import loopback_store, new_store_token, store_behind_link  # noqa: E402
 
 
 def _rates(text: str) -> List[float]:
@@ -70,33 +69,26 @@ def local_server(settings) -> Iterator[Tuple[object, Target, dict]]:
 def server_across_link(settings, nginx_root: Path, token: str, rate: float, delay_ms: float,
                        mode: str) -> Iterator[Tuple[object, Target, dict]]:
     """nginx behind a link of ``rate`` Mbit/s, and a tritonserver whose store is across it."""
-    from kvcodec.link import open_link
-    from kvcodec.services.nginx import NginxStore
     from kvcodec.tritonserver import Ports, TritonServer
 
-    with open_link(rate, delay_ms, mode) as link:
-        (port,) = free_ports(1)
-        with NginxStore(nginx_root, link.server_host, port, token, wrap=link.wrap):
-            host, exposed = link.expose(port)
-            across = replace(settings, store=f"http://{host}:{exposed}/kv")
-            with TritonServer(REPO_ROOT / "model_repository", across, Ports(*free_ports(3))) as server:
-                yield server, Target(f"{rate:g}Mbps", rate, server.grpc_url), dict(link.describe(), store_url=across.store)
+    with store_behind_link(nginx_root, token, rate, delay_ms, mode) as (url, link):
+        across = replace(settings, store=url)
+        with TritonServer(REPO_ROOT / "model_repository", across, Ports(*free_ports(3))) as server:
+            yield server, Target(f"{rate:g}Mbps", rate, server.grpc_url), dict(link.describe(), store_url=url)
 
 
 def ingest(settings, context_file: Path) -> dict:
+    """``kvcodec ingest`` of the context at every rung of ``settings.codecs``; exits on failure."""
+    print(f"ingesting the context (kvcodec ingest) into {settings.store} ...", flush=True)
     cmd = [str(KVCODEC), "ingest", "--home", str(settings.home), "--store", settings.store,
            "--model-cache", str(settings.model_cache), "--threads", "1",
            "--text-file", str(context_file), "--codec", ",".join(settings.codecs), "--json", "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"run_perf: kvcodec ingest failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout)
-
-
-def _ingest(settings, context_file: Path) -> None:
-    print(f"ingesting the context (kvcodec ingest) into {settings.store} ...", flush=True)
-    report = ingest(settings, context_file)  # exits with the CLI's error if it fails
+    report = json.loads(proc.stdout)
     print(f"  {report['chunks']} chunks ({report['written']} new), {report['bytes_written']} bytes", flush=True)
+    return report
 
 
 def _measure(server, target: Target, inputs, prompt_ids, meta, args, home: Path) -> Optional[List[dict]]:
@@ -139,7 +131,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
 
     from kvcodec.engines.model_files import ensure_model
-    from kvcodec.services.nginx import NginxStore
     from kvcodec.settings import Settings
 
     t_start = time.perf_counter()
@@ -171,16 +162,14 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"max_tokens {meta['max_tokens']}", flush=True)
 
     if args.bandwidth_mbps:
-        token = secrets.token_hex(16)
-        os.environ["KVCODEC_STORE_TOKEN"] = token  # nginx takes writes only with it; ingest inherits it
+        token = new_store_token()  # nginx takes writes only with it; ingest inherits it
         nginx_root = home / "nginx"
-        (port,) = free_ports(1)
-        with NginxStore(nginx_root, "127.0.0.1", port, token) as nginx:
-            _ingest(replace(settings, store=nginx.url), files["context"])
+        with loopback_store(nginx_root, token) as url:
+            ingest(replace(settings, store=url), files["context"])
         servers = [lambda rate=rate: server_across_link(settings, nginx_root, token, rate, args.delay_ms,
                                                         args.link_mode) for rate in args.bandwidth_mbps]
     else:
-        _ingest(settings, files["context"])
+        ingest(settings, files["context"])
         servers = [lambda: local_server(settings)]
 
     rows: List[dict] = []

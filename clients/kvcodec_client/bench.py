@@ -20,7 +20,6 @@ non-zero when a lossless method's tokens differ from prefill's (a wrong answer).
 from __future__ import annotations
 
 import json
-import secrets
 import statistics
 import sysconfig
 import time
@@ -91,8 +90,6 @@ def _p(values: List[float], q: float) -> float:
 
 
 def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, plot_path: Optional[Path]) -> int:
-    import os
-
     from tqdm import tqdm
 
     from kvcodec.costs import for_settings
@@ -100,29 +97,26 @@ def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, 
     from kvcodec.engines.transformers_engine import TransformersEngine
     from kvcodec.ingest import ingest
     from kvcodec.ladder import parse_ladder
-    from kvcodec.link import open_link
-    from kvcodec.services.nginx import NginxStore
     from kvcodec.store import open_store
     from kvcodec.tritonserver import Ports, TritonServer
     from kvcodec_client.client import KVCodecClient
 
     from .ports import free_ports
+    from .remote_store import loopback_store, new_store_token, store_behind_link
 
     rungs = method_rungs(config.methods, config.ladder)
     parse_ladder(rungs)  # unknown names fail here, before anything starts
     files = ensure_model(settings.model_cache)
     work = settings.home / "bench"
-    token = secrets.token_hex(16)
-    os.environ["KVCODEC_STORE_TOKEN"] = token  # writes need it; the server inherits it
+    token = new_store_token()  # writes need it; the server inherits it
     fp16_per_token = files.geometry(1).fp16_bytes
 
     # 1. Ingest every rung of every context once, over loopback (not through the link).
     engine = TransformersEngine(files, threads=config.threads or None)
     prompts: Dict[int, List[int]] = {}
     question = engine.tokenize(QUESTION)
-    (port,) = free_ports(1)
-    with NginxStore(work / "nginx", "127.0.0.1", port, token) as nginx, open_store(nginx.url) as store:
-        costs = for_settings(replace(settings, store=nginx.url), fp16_per_token)
+    with loopback_store(work / "nginx", token) as url, open_store(url) as store:
+        costs = for_settings(replace(settings, store=url), fp16_per_token)
         for n in config.contexts:
             ids = context_ids(engine.tokenizer, n)
             prompts[n] = ids + question
@@ -140,34 +134,30 @@ def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, 
     total = len(config.bandwidths_mbps) * len(config.contexts) * len(config.methods)
     bar = tqdm(total=total, unit="cell", desc="ttft sweep")
     for bw in config.bandwidths_mbps:
-        with open_link(bw, config.delay_ms, config.link_mode) as link:
-            (port,) = free_ports(1)
-            with NginxStore(work / "nginx", link.server_host, port, token, wrap=link.wrap) as nginx:
-                host, exposed = link.expose(port)
-                url = f"http://{host}:{exposed}/kv"
-                links.append(dict(link.describe(), bandwidth_mbps=bw, store_url=url))
-                server_settings = replace(settings, store=url, codecs=tuple(s.strip() for s in config.ladder.split(",")),
-                                          adaptive=True, threads=config.threads)
-                with TritonServer(repository, server_settings, Ports(*free_ports(3))) as server:
-                    client = KVCodecClient(server.grpc_url, "grpc")
-                    client.generate(prompts[config.contexts[0]][:32], 1, reuse=False)  # one-time costs
-                    for n in config.contexts:
-                        prefill_tokens = None
-                        for method in config.methods:
-                            bar.set_postfix_str(f"{bw:g} Mbit/s, {n} tokens, {method}")
-                            row = _measure(client, method, prompts[n], config)
-                            row.update(bandwidth_mbps=bw, context_tokens=n, link=link.kind)
-                            if method == "prefill":
-                                prefill_tokens = row.pop("_tokens")
-                            else:
-                                tokens = row.pop("_tokens")
-                                row["tokens_match"] = prefill_tokens is not None and tokens == prefill_tokens
-                            if method == "prefill":
-                                row["tokens_match"] = True
-                            if method in LOSSLESS and not row["tokens_match"]:
-                                wrong.append(f"{method} at {bw} Mbit/s, {n} tokens")
-                            rows.append(row)
-                            bar.update(1)
+        with store_behind_link(work / "nginx", token, bw, config.delay_ms, config.link_mode) as (url, link):
+            links.append(dict(link.describe(), bandwidth_mbps=bw, store_url=url))
+            server_settings = replace(settings, store=url, codecs=tuple(s.strip() for s in config.ladder.split(",")),
+                                      adaptive=True, threads=config.threads)
+            with TritonServer(repository, server_settings, Ports(*free_ports(3))) as server:
+                client = KVCodecClient(server.grpc_url, "grpc")
+                client.generate(prompts[config.contexts[0]][:32], 1, reuse=False)  # one-time costs
+                for n in config.contexts:
+                    prefill_tokens = None
+                    for method in config.methods:
+                        bar.set_postfix_str(f"{bw:g} Mbit/s, {n} tokens, {method}")
+                        row = _measure(client, method, prompts[n], config)
+                        row.update(bandwidth_mbps=bw, context_tokens=n, link=link.kind)
+                        if method == "prefill":
+                            prefill_tokens = row.pop("_tokens")
+                        else:
+                            tokens = row.pop("_tokens")
+                            row["tokens_match"] = prefill_tokens is not None and tokens == prefill_tokens
+                        if method == "prefill":
+                            row["tokens_match"] = True
+                        if method in LOSSLESS and not row["tokens_match"]:
+                            wrong.append(f"{method} at {bw} Mbit/s, {n} tokens")
+                        rows.append(row)
+                        bar.update(1)
     bar.close()
     result = {"rows": rows, "links": links, "config": {**config.__dict__, "rungs": rungs},
               "checks": checks(rows), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
