@@ -74,21 +74,21 @@ def make_inputs(tokenizer, context: str, name: str = DEFAULT_NAME, out_dir: Path
         files[kind].write_text(json.dumps(input_data(prompt_ids, max_tokens, reuse)) + "\n")
     meta = {"name": name, "context_tokens": len(context_ids), "prompt_tokens": len(prompt_ids),
             "max_tokens": max_tokens, "question": question, "source": source,
-            "tokenizer": "SmolLM2-135M-Instruct (kvcodec.tokenizer.Tokenizer)"}
+            "tokenizer": "SmolLM2-135M-Instruct (kvcodec.engines.tokenizer.Tokenizer)"}
     files["meta"].write_text(json.dumps(meta, indent=2) + "\n")
     return {**meta, "files": {k: str(v) for k, v in files.items()}}
 
 
 def load_tokenizer(model_cache: Optional[Path] = None):
     from kvcodec.engines.model_files import ensure_model
-    from kvcodec.tokenizer import Tokenizer
+    from kvcodec.engines.tokenizer import Tokenizer
 
     return Tokenizer(ensure_model(model_cache or REPO_ROOT / ".cache" / "models"))
 
 
 def default_context(tokenizer, tokens: int = 1300) -> tuple:
     """(text, source): the demo's context, cut to just over ``tokens`` tokens."""
-    from kvcodec_client.demo import CONTEXT_SOURCE
+    from perf.demo import CONTEXT_SOURCE
 
     text = CONTEXT_SOURCE.read_text(encoding="utf-8")
     return cut_to_tokens(tokenizer, text, tokens), f"{CONTEXT_SOURCE.parent.name}/{CONTEXT_SOURCE.name}"

@@ -11,7 +11,7 @@
    ``perf/results/perf_analyzer.json``.
 
 With ``--bandwidth-mbps LIST`` (``make perf``: 100, 1000, 10000) the store is nginx (writes need
-a bearer token) and, for each rate, it sits behind a throttled link (``kvcodec.link``: a network
+a bearer token) and, for each rate, it sits behind a throttled link (``perf.shaping``: a network
 namespace with tc, else the userspace shaper; each row's ``link`` says which) with tritonserver
 fetching across it; the context is ingested once over loopback. Reuse is measured at every rate,
 prefill (which fetches nothing) at the first. Without it: one local server, a file store.
@@ -41,9 +41,9 @@ from perf.perf_analyzer import (RESULTS_PATH, PerfAnalyzerError, Target, ensure_
 KVCODEC = Path(sys.executable).parent / "kvcodec"
 
 
-from kvcodec_client.bench import DEFAULT_LADDER  # noqa: E402
-from kvcodec_client.ports import free_ports  # noqa: E402
-from kvcodec_client.remote_store import loopback_store, new_store_token, store_behind_link  # noqa: E402
+from perf.bench import DEFAULT_LADDER  # noqa: E402
+from perf.ports import free_ports  # noqa: E402
+from perf.remote_store import loopback_store, new_store_token, store_behind_link  # noqa: E402
 
 
 def _rates(text: str) -> List[float]:
@@ -59,7 +59,7 @@ def _rates(text: str) -> List[float]:
 @contextlib.contextmanager
 def local_server(settings) -> Iterator[Tuple[object, Target, dict]]:
     """One tritonserver on this host's store: no link in between."""
-    from kvcodec.tritonserver import Ports, TritonServer
+    from perf.tritonserver import Ports, TritonServer
 
     with TritonServer(REPO_ROOT / "model_repository", settings, Ports(*free_ports(3))) as server:
         yield server, Target("local", None, server.grpc_url), {}
@@ -69,7 +69,7 @@ def local_server(settings) -> Iterator[Tuple[object, Target, dict]]:
 def server_across_link(settings, nginx_root: Path, token: str, rate: float, delay_ms: float,
                        mode: str) -> Iterator[Tuple[object, Target, dict]]:
     """nginx behind a link of ``rate`` Mbit/s, and a tritonserver whose store is across it."""
-    from kvcodec.tritonserver import Ports, TritonServer
+    from perf.tritonserver import Ports, TritonServer
 
     with store_behind_link(nginx_root, token, rate, delay_ms, mode) as (url, link):
         across = replace(settings, store=url)
@@ -78,17 +78,17 @@ def server_across_link(settings, nginx_root: Path, token: str, rate: float, dela
 
 
 def ingest(settings, context_file: Path) -> dict:
-    """``kvcodec ingest`` of the context at every rung of ``settings.codecs``; exits on failure."""
-    print(f"ingesting the context (kvcodec ingest) into {settings.store} ...", flush=True)
-    cmd = [str(KVCODEC), "ingest", "--home", str(settings.home), "--store", settings.store,
-           "--model-cache", str(settings.model_cache), "--threads", "1",
-           "--text-file", str(context_file), "--codec", ",".join(settings.codecs), "--json", "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"run_perf: kvcodec ingest failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    report = json.loads(proc.stdout)
-    print(f"  {report['chunks']} chunks ({report['written']} new), {report['bytes_written']} bytes", flush=True)
-    return report
+    """The context into ``settings.store`` at every rung of ``settings.ladder`` (the one ingest path,
+    ``kvcodec.ingest.ingest_rungs``, as ``kvcodec ingest`` and the bench use it)."""
+    from kvcodec.engines import open_engine
+    from kvcodec.ingest import ingest_rungs
+
+    print(f"ingesting the context into {settings.store} ...", flush=True)
+    engine = open_engine(settings)
+    report = ingest_rungs(settings, engine, engine.tokenize(context_file.read_text(encoding="utf-8")))
+    del engine
+    print(f"  {report.chunks} chunks ({report.written} new), {report.bytes_written} bytes", flush=True)
+    return {"chunks": report.chunks, "written": report.written, "bytes_written": report.bytes_written}
 
 
 def _measure(server, target: Target, inputs, prompt_ids, meta, args, home: Path) -> Optional[List[dict]]:
@@ -130,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="the rungs ingest stores and the server's adaptive fetcher chooses from")
     args = p.parse_args(argv)
 
-    from kvcodec.engines.model_files import ensure_model
+    from kvcodec import engines
     from kvcodec.settings import Settings
 
     t_start = time.perf_counter()
@@ -141,8 +141,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     home = args.home.resolve()
     settings = Settings.load({"home": str(home), "store": f"file://{home / 'store'}",
                               "model_cache": str(args.model_cache.resolve()), "threads": "1",
-                              "codecs": args.ladder}, env={})
-    ensure_model(settings.model_cache)
+                              "ladder": args.ladder}, env={})
+    engines.prepare(settings)
     if args.text_file:
         tokenizer = make_inputs.load_tokenizer(settings.model_cache)
         text = args.text_file.read_text(encoding="utf-8")

@@ -2,11 +2,12 @@
 
 Each error also subclasses the built-in that describes it (as PyAV's InvalidDataError is also a
 ValueError), so callers that do not know this module still catch it sensibly. The Triton edge maps
-them to response codes in one place (``kvcodec.triton.errors``):
+them to response codes in one place (``kvcodec.triton.error_for``):
 
-- ``BadRequest``        -> INVALID_ARG   (the client sent something malformed)
+- ``BadRequest``        -> INVALID_ARG   (the client sent something malformed; only this error)
 - ``StoreUnavailable``  -> UNAVAILABLE   (the store cannot be reached)
 - ``Unsupported``       -> UNSUPPORTED   (a decoder or codec is not available on this machine)
+- anything else         -> INTERNAL      (a short message; the traceback stays in the server log)
 
 ``CorruptChunk`` and ``ForeignChunk`` never reach a client: the fetcher turns them into a miss
 from that chunk on, and the model computes the rest.

@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-from .chunk import ChunkEncoder
-from .costs import CostModel
-from .keys import chunk_keys
-from .ladder import rung_name
-from .schemes import Scheme
+from .encode import ChunkEncoder
+from .serving.costs import CostModel
+from .format.keys import chunk_keys
+from .format.ladder import rung_name
+from .format.codecs import Scheme
 from .store import KVStore
 
 
@@ -92,3 +92,24 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
     if costs is not None and report.prefill_s:
         costs.observe_prefill(n_chunks * chunk_tokens, report.prefill_s)
     return report
+
+
+def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, Sequence[str], None] = None,
+                 store_url: Optional[str] = None, threads: Optional[int] = None,
+                 progress: Optional[Callable[[int], None]] = None) -> IngestReport:
+    """The one ingest path of the CLI and the tools: ``token_ids`` into the store at each rung
+    (a ladder spec; default: the settings' ladder), bound to the engine's codec profile, with the
+    measured costs recorded where the serving steps of ``settings`` read them."""
+    from dataclasses import replace
+
+    from .format.ladder import parse_ladder
+    from .serving.costs import for_settings
+    from .store import open_store
+
+    schemes = parse_ladder(rungs or list(settings.ladder), engine.card.codec_profile)
+    url = store_url or settings.store
+    costs = for_settings(replace(settings, store=url), engine.geometry(1).fp16_bytes)
+    with open_store(url) as store:
+        return ingest(engine, store, token_ids, schemes, settings.chunk_tokens,
+                      threads=max(1, threads if threads is not None else settings.threads), progress=progress,
+                      costs=costs)

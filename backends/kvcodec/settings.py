@@ -10,7 +10,8 @@ name the field and the value.
 | home          | KVCODEC_HOME           | ``./.cache``                            |
 | store         | KVCODEC_STORE          | ``file://<home>/store``                 |
 | model_cache   | KVCODEC_MODEL_CACHE    | ``<home>/models``                       |
-| codecs        | KVCODEC_CODECS         | every codec but the baselines (video-q8), lossless8 first (lookup order) |
+| engine        | KVCODEC_ENGINE         | ``transformers`` (``kvcodec.engines.ENGINES``)  |
+| ladder        | KVCODEC_LADDER         | ``transform-zstd,video,int8-zstd,raw``: rungs that pass the quality gate, in preference order (``KVCODEC_CODECS``, its old name, is still read) |
 | chunk_tokens  | KVCODEC_CHUNK_TOKENS   | 256                                     |
 | threads       | KVCODEC_THREADS        | 0 (torch's default)                     |
 | decoder       | KVCODEC_DECODER        | ``pyav`` (``nvdec``, ``auto``)          |
@@ -26,8 +27,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
 from .errors import ConfigError
-from .ladder import parse_ladder
-from .schemes import DEFAULT_SCHEME, SCHEMES
+from .format.ladder import DEFAULT_LADDER, parse_ladder
 
 DECODER_CHOICES = ("pyav", "nvdec", "auto")
 
@@ -37,13 +37,14 @@ class Settings:
     home: Path
     store: str
     model_cache: Path
-    codecs: Tuple[str, ...]
+    ladder: Tuple[str, ...]  # rung specs, in preference order (a ladder; see README's glossary)
     chunk_tokens: int
     threads: int
     decoder: str
     adaptive: bool = True
     link_mbps: float = 1000.0
     deadline_s: float = 0.0
+    engine: str = "transformers"
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -57,19 +58,21 @@ class Settings:
         def raw(name: str) -> Optional[str]:
             if name in explicit:
                 return str(explicit[name])
-            return env.get(f"KVCODEC_{name.upper()}") or None
+            value = env.get(f"KVCODEC_{name.upper()}") or None
+            if value is None and name == "ladder":
+                value = env.get("KVCODEC_CODECS") or None  # the setting's name before it was called a ladder
+            return value
 
         home = Path(raw("home") or ".cache").expanduser().resolve()
         store = raw("store") or f"file://{home / 'store'}"
         model_cache = Path(raw("model_cache") or home / "models").expanduser().resolve()
-        default_codecs = [DEFAULT_SCHEME] + [n for n, sc in SCHEMES.items() if n != DEFAULT_SCHEME and not sc.baseline_only]
-        codecs = tuple(c.strip() for c in (raw("codecs") or ",".join(default_codecs)).split(",") if c.strip())
-        if not codecs:
-            raise ConfigError(f"codecs names no codec (got {raw('codecs')!r})")
+        ladder = tuple(c.strip() for c in (raw("ladder") or ",".join(DEFAULT_LADDER)).split(",") if c.strip())
+        if not ladder:
+            raise ConfigError(f"ladder names no codec (got {raw('ladder')!r})")
         try:
-            parse_ladder(codecs)
+            parse_ladder(ladder)
         except ConfigError as exc:
-            raise ConfigError(f"codecs: {exc}") from None
+            raise ConfigError(f"ladder: {exc}") from None
         chunk_tokens = _int("chunk_tokens", raw("chunk_tokens") or "256", minimum=8)
         if chunk_tokens % 8:
             raise ConfigError(f"chunk_tokens must be a multiple of 8, got {chunk_tokens}")
@@ -82,8 +85,13 @@ class Settings:
             raise ConfigError(f"adaptive must be 0 or 1, got {adaptive!r}")
         link_mbps = _float("link_mbps", raw("link_mbps") or "1000", minimum=0.001)
         deadline_s = _float("deadline_s", raw("deadline_s") or "0", minimum=0.0)
-        return cls(home, store, model_cache, codecs, chunk_tokens, threads, decoder,
-                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s)
+        engine = raw("engine") or "transformers"
+        from .engines import ENGINES  # the registry only: no engine is imported here
+
+        if engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
+        return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
+                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -91,13 +99,14 @@ class Settings:
             "KVCODEC_HOME": str(self.home),
             "KVCODEC_STORE": self.store,
             "KVCODEC_MODEL_CACHE": str(self.model_cache),
-            "KVCODEC_CODECS": ",".join(self.codecs),
+            "KVCODEC_LADDER": ",".join(self.ladder),
             "KVCODEC_CHUNK_TOKENS": str(self.chunk_tokens),
             "KVCODEC_THREADS": str(self.threads),
             "KVCODEC_DECODER": self.decoder,
             "KVCODEC_ADAPTIVE": "1" if self.adaptive else "0",
             "KVCODEC_LINK_MBPS": repr(self.link_mbps),
             "KVCODEC_DEADLINE_S": repr(self.deadline_s),
+            "KVCODEC_ENGINE": self.engine,
         }
 
 

@@ -1,7 +1,9 @@
-"""The ``kvcodec`` command: serve, ingest, generate, eval, demo.
+"""The ``kvcodec`` command: a thin dispatcher. The client library is ``kvcodec_client.client``;
+the product library is ``kvcodec``; serving, benchmarks and the quality harness are tools in
+``perf`` (the tritonserver launcher, bench, demo, rd, eval).
 
-    kvcodec serve    [--store URL] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
-    kvcodec ingest   --text-file F [--codec lossless8[,video:12,...]] [--quality Q] [--store URL]
+    kvcodec serve    [--engine E] [--store URL] [--ladder RUNGS] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+    kvcodec ingest   --text-file F [--codec RUNG[,RUNG...]] [--quality Q] [--store URL] [--engine E]
     kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
     kvcodec eval     --text-file F --prefix-tokens P --continuation-tokens C --codec NAME [--quality Q] [--json]
     kvcodec rd       [--json perf/results/rd.json --plot perf/results/rd.png] (every codec over the eval set)
@@ -29,7 +31,7 @@ def _settings(args):
     from kvcodec.settings import Settings
 
     explicit = {"home": args.home, "store": args.store, "model_cache": args.model_cache}
-    for name in ("threads", "decoder", "codecs"):
+    for name in ("threads", "decoder", "ladder", "engine"):
         if getattr(args, name, None) not in (None, ""):
             explicit[name] = str(getattr(args, name))
     return Settings.load(explicit)
@@ -46,11 +48,11 @@ def _read_text(path: str) -> str:
 
 
 def cmd_serve(args) -> int:
-    from kvcodec.engines.model_files import ensure_model
-    from kvcodec.tritonserver import Ports, TritonServer
+    from kvcodec import engines
+    from perf.tritonserver import Ports, TritonServer
 
     settings = _settings(args)
-    ensure_model(settings.model_cache)
+    engines.prepare(settings)
     server = TritonServer(Path(args.model_repository), settings,
                           Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host)
     stopping = []
@@ -81,31 +83,31 @@ def cmd_serve(args) -> int:
 def cmd_ingest(args) -> int:
     from tqdm import tqdm
 
-    from kvcodec.costs import for_settings
-    from kvcodec.engines.model_files import ensure_model
-    from kvcodec.engines.transformers_engine import TransformersEngine
+    from kvcodec.engines import model_card, open_engine
+    from kvcodec.format.codecs import get_scheme
+    from kvcodec.format.ladder import parse_ladder
     from kvcodec.ingest import ingest
-    from kvcodec.ladder import parse_ladder
-    from kvcodec.schemes import get_scheme
+    from kvcodec.serving.costs import for_settings
     from kvcodec.store import open_store
 
     settings = _settings(args)
+    profile = model_card(settings).codec_profile
+    codec = args.codec or ",".join(settings.ladder)  # default: the rungs the server fetches from
     if args.quality is not None:
-        if "," in args.codec:
+        if "," in codec:
             raise SystemExit("kvcodec ingest: --quality takes one --codec; name rungs as NAME:QUALITY instead")
-        schemes = [get_scheme(args.codec, args.quality)]
+        schemes = [get_scheme(codec, args.quality, profile=profile)]
     else:
-        schemes = parse_ladder(args.codec)
+        schemes = parse_ladder(codec, profile)
     text = _read_text(args.text_file)
-    files = ensure_model(settings.model_cache)
-    engine = TransformersEngine(files, threads=settings.threads or None)
+    engine = open_engine(settings)
     ids = engine.tokenize(text)
     n_chunks = len(ids) // settings.chunk_tokens
     if n_chunks == 0:
         print(f"kvcodec ingest: {len(ids)} tokens is less than one chunk ({settings.chunk_tokens}); nothing stored",
               file=sys.stderr)
         return 1
-    costs = for_settings(settings, files.geometry(1).fp16_bytes)
+    costs = for_settings(settings, engine.geometry(1).fp16_bytes)
     with open_store(settings.store) as store, tqdm(total=n_chunks, unit="chunk", desc="ingest",
                                                    disable=args.quiet) as bar:
         report = ingest(engine, store, ids, schemes, settings.chunk_tokens, threads=max(1, settings.threads),
@@ -128,12 +130,11 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from kvcodec.engines.model_files import ensure_model
-    from kvcodec.tokenizer import Tokenizer
+    from kvcodec.engines import tokenizer
     from kvcodec_client.client import ClientError, KVCodecClient
 
     settings = _settings(args)
-    ids = Tokenizer(ensure_model(settings.model_cache)).encode(_read_text(args.text_file))
+    ids = tokenizer(settings).encode(_read_text(args.text_file))
     client = KVCodecClient(args.url, args.protocol)
     try:
         result = client.generate(ids, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs)
@@ -152,14 +153,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from kvcodec.engines.model_files import ensure_model
-    from kvcodec.engines.transformers_engine import TransformersEngine
-    from kvcodec.evaluate import evaluate
-    from kvcodec.schemes import get_scheme
+    from kvcodec.engines import open_engine
+    from kvcodec.format.codecs import get_scheme
+    from perf.quality.evaluate import evaluate
 
     settings = _settings(args)
-    scheme = get_scheme(args.codec, args.quality)
-    engine = TransformersEngine(ensure_model(settings.model_cache), threads=settings.threads or None)
+    engine = open_engine(settings)
+    scheme = get_scheme(args.codec, args.quality, profile=engine.card.codec_profile)
     ids = engine.tokenize(_read_text(args.text_file))
     result = evaluate(engine, ids, args.prefix_tokens, args.continuation_tokens, scheme, settings.chunk_tokens)
     if args.json:
@@ -172,24 +172,23 @@ def cmd_eval(args) -> int:
 
 
 def cmd_rd(args) -> int:
-    from kvcodec_client.rd import DEFAULT_SETTINGS, RdConfig, run_rd
+    from perf.quality.rd import DEFAULT_SETTINGS, RdConfig, run_rd
 
     settings = _settings(args)
     config = RdConfig(settings=args.settings or DEFAULT_SETTINGS, prefix_tokens=args.prefix_tokens,
                       continuation_tokens=args.continuation_tokens, workers=args.workers,
                       decode_threads=args.decode_threads, texts=args.texts, chunk_tokens=settings.chunk_tokens,
-                      model_cache=str(settings.model_cache))
+                      model_cache=str(settings.model_cache), engine=settings.engine)
     return run_rd(config, Path(args.json), Path(args.plot) if args.plot else None)
 
 
 def cmd_profile_fit(args) -> int:
-    from kvcodec import evalset
-    from kvcodec.engines.model_files import ensure_model
-    from kvcodec.engines.transformers_engine import TransformersEngine
-    from kvcodec.profiles import fit_profile, read_profile, save_profile
+    from kvcodec.engines import open_engine
+    from kvcodec.profiles import HERE, fit_profile, read_profile, save_profile
+    from perf.quality import evalset
 
     settings = _settings(args)
-    engine = TransformersEngine(ensure_model(settings.model_cache), threads=settings.threads or None)
+    engine = open_engine(settings)
     texts = evalset.load(evalset.FIT_SET, engine.tokenize, args.tokens)
 
     def samples():
@@ -198,7 +197,8 @@ def cmd_profile_fit(args) -> int:
             for i, kv in enumerate(engine.prefill_chunks(ids, settings.chunk_tokens)):
                 yield kv, i * settings.chunk_tokens
 
-    path = save_profile(fit_profile(samples(), engine.rope_theta), Path(args.out))
+    out = Path(args.out) if args.out else HERE / f"{engine.card.codec_profile}.npz"
+    path = save_profile(fit_profile(samples(), engine.rope_theta), out)
     profile = read_profile(path)
     share = profile.variance[..., :32].sum(-1) / profile.variance.sum(-1)
     print(json.dumps({"profile": str(path), "digest": profile.digest, "bytes": path.stat().st_size,
@@ -209,7 +209,7 @@ def cmd_profile_fit(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from kvcodec_client.demo import run_demo
+    from perf.demo import run_demo
 
     return run_demo(_settings(args), Path(args.json), Path(args.model_repository))
 
@@ -224,7 +224,7 @@ def _list(kind):
 
 
 def cmd_bench_ttft(args) -> int:
-    from kvcodec_client.bench import BenchConfig, run_bench
+    from perf.bench import BenchConfig, run_bench
 
     config = BenchConfig(args.bandwidth_mbps, args.context_tokens, args.methods, ladder=args.ladder, runs=args.runs,
                          prefill_runs=args.prefill_runs, max_tokens=args.max_tokens, delay_ms=args.delay_ms,
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--store", help="store URL (default file://<home>/store)")
         p.add_argument("--model-cache", help="folder of the converted model (default <home>/models)")
         p.add_argument("--threads", type=int, help="torch / decoder threads (0: torch's default)")
+        p.add_argument("--engine", help="the engine that runs the model (default transformers; KVCODEC_ENGINE)")
 
     p = sub.add_parser("serve", help="run tritonserver on the model repository in the foreground")
     common(p)
@@ -251,15 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"])
-    p.add_argument("--codecs", help="comma list: codecs to look chunks up in, in order")
+    p.add_argument("--ladder", "--codecs", dest="ladder",
+                   help="comma list of rungs to fetch chunks from, in preference order (KVCODEC_LADDER)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("ingest", help="prefill a text once and store its KV chunks")
     common(p)
     p.add_argument("--text-file", required=True)
-    p.add_argument("--codec", default="lossless8",
-                   help="a rung spec NAME[:QUALITY], or a comma list of them (a ladder, best quality first)")
+    p.add_argument("--codec",
+                   help="a rung spec NAME[:QUALITY], or a comma list of them (default: the server's ladder)")
     p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -290,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = p.add_subparsers(dest="bench", required=True)
     p = bench.add_parser("ttft", help="TTFT of every method against link bandwidth (starts link, store, server)")
     common(p)
-    from kvcodec_client.bench import DEFAULT_LADDER, METHODS
+    from perf.bench import DEFAULT_LADDER, METHODS
 
     p.add_argument("--bandwidth-mbps", type=_list(float), default=[100.0, 1000.0, 10000.0])
     p.add_argument("--context-tokens", type=_list(int), default=[1024, 4096])
@@ -323,9 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof = p.add_subparsers(dest="profile", required=True)
     p = prof.add_parser("fit", help="fit the PCA profile on the fit texts (outside the eval set)")
     common(p)
-    from kvcodec.profiles import DEFAULT_PROFILE, HERE
-
-    p.add_argument("--out", default=str(HERE / f"{DEFAULT_PROFILE}.npz"))
+    p.add_argument("--out", help="default: backends/kvcodec/profiles/<the model card's profile>.npz")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of each fit text")
     p.set_defaults(func=cmd_profile_fit)
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvcodec.codec.hevc import Hevc, PyAVDecoder
+from kvcodec.bitstream.hevc import Hevc, PyAVDecoder
 from kvcodec.errors import Unsupported
 from kvcodec.layout.quant import PerChannel8
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def nvdec():
-    from kvcodec.codec.nvdec import NvdecDecoder
+    from kvcodec.bitstream.nvdec import NvdecDecoder
 
     try:
         decoder = NvdecDecoder()

@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 
 from kvcodec.engines.model_files import ensure_model
-from kvcodec_client.ports import free_ports  # noqa: F401  (test_serve imports it from here)
+from perf.ports import free_ports  # noqa: F401  (test_serve imports it from here)
 from kvcodec.settings import Settings
-from kvcodec.tokenizer import Tokenizer
-from kvcodec.tritonserver import Ports, TritonServer
+from kvcodec.engines.tokenizer import Tokenizer
+from perf.tritonserver import Ports, TritonServer
 
 REPO = Path(__file__).resolve().parents[2]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 KVCODEC = str(Path(sys.executable).parent / "kvcodec")
+TEST_LADDER = "lossless8,video,int8-zstd,raw,nlevel-zstd,transform-zstd,cachegen"
 
 
 
@@ -30,7 +31,9 @@ KVCODEC = str(Path(sys.executable).parent / "kvcodec")
 @pytest.fixture(scope="session")
 def settings(tmp_path_factory) -> Settings:
     home = tmp_path_factory.mktemp("kvcodec-home")
-    s = Settings.load({"home": str(home), "model_cache": str(REPO / ".cache" / "models"), "threads": "1"}, env={})
+    # The tests ingest every codec, lossless8 and the baselines too: the server's ladder names them all.
+    s = Settings.load({"home": str(home), "model_cache": str(REPO / ".cache" / "models"), "threads": "1",
+                       "ladder": TEST_LADDER}, env={})
     ensure_model(s.model_cache)
     return s
 

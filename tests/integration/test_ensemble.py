@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcodec.engines.model_files import ensure_model
-from kvcodec.keys import chunk_keys
-from kvcodec.schemes import get_scheme
+from kvcodec.engines import model_card
+from kvcodec.format.keys import chunk_keys
+from kvcodec.format.codecs import get_scheme
 from kvcodec_client import ClientError, KVCodecClient
 
 from .conftest import cli, ingest_text, text_of
@@ -78,8 +78,9 @@ def test_unseen_prompt_is_full_prefill(grpc, tokenizer):
 
 
 def _chunk_path(settings, ids, index, codec="lossless8") -> Path:
-    model_id = ensure_model(settings.model_cache).model_id
-    key = chunk_keys(ids, model_id, get_scheme(codec).identity, settings.chunk_tokens)[index]
+    card = model_card(settings)
+    key = chunk_keys(ids, card.model_id, get_scheme(codec, profile=card.codec_profile).identity,
+                     settings.chunk_tokens)[index]
     return Path(settings.store.removeprefix("file://")) / f"{key}.kvc"
 
 

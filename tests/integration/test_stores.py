@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from kvcodec.errors import StoreUnavailable
-from kvcodec.services import free_port, free_port_run
-from kvcodec.services.nginx import NginxStore
-from kvcodec.services.redis import RedisCluster, RedisServer
+from perf.services import free_port, free_port_run
+from perf.services.nginx import NginxStore
+from perf.services.redis import RedisCluster, RedisServer
 from kvcodec.store import open_store
 from kvcodec.store.fs import FileStore
 from kvcodec.store.http import HttpStore

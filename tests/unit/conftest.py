@@ -6,7 +6,6 @@ that quantization and video coding see something like real data rather than stan
 """
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 from kvcodec.profiles import _CACHE as PROFILE_CACHE
 from kvcodec.profiles import fit_profile, save_profile
 from kvcodec.profiles.rope import rope
-from kvcodec.schemes import Scheme
+from kvcodec.format.codecs import Scheme
 from kvcodec.store.memory import MemoryStore
 
 LAYERS, KV_HEADS, TOKENS, HEAD_DIM = 4, 3, 256, 64
@@ -71,9 +70,7 @@ def tiny_profile(tmp_path_factory):
 
 def on_tiny_profile(scheme: Scheme) -> Scheme:
     """``scheme`` with the tiny profile in place of the model's (for layouts that need one)."""
-    if "profile" not in scheme.layout_params:
-        return scheme
-    return dataclasses.replace(scheme, layout_params={**scheme.layout_params, "profile": TINY_PROFILE})
+    return scheme.with_profile(TINY_PROFILE)
 
 
 @pytest.fixture(scope="session")

@@ -6,13 +6,14 @@ import json
 
 import pytest
 
-from kvcodec.assembler import overlap
-from kvcodec.chunkinfo import ChunkInfo
-from kvcodec.costs import CostModel, record_request
+from kvcodec.serving.assemble import overlap
+from kvcodec.serving.chunkinfo import ChunkInfo
+from kvcodec.serving.costs import CostModel, record_request
+from kvcodec.serving.stats import RequestStats
 from kvcodec.errors import ConfigError
-from kvcodec.fetcher import Fetcher
-from kvcodec.ladder import parse_ladder, parse_rung, rung_name
-from kvcodec.schemes import get_scheme
+from kvcodec.serving.fetch import Fetcher
+from kvcodec.format.ladder import parse_ladder, parse_rung, rung_name
+from kvcodec.format.codecs import get_scheme
 
 from .test_pipeline import CHUNK, MODEL, N_CHUNKS, ScriptedStore, assemble, ingest, through_steps
 from .test_pipeline import context, encoded  # noqa: F401  (module fixtures)
@@ -78,7 +79,7 @@ def test_a_fast_link_and_a_slow_decoder_pick_raw(memory_store, context, encoded)
     fetched = list(adaptive(memory_store, c).fetch(ids, "s"))
     assert [i.scheme for i, _ in fetched] == ["raw"] * N_CHUNKS
     done = assemble(through_steps(fetched))
-    assert done.reused_tokens == N_CHUNKS * CHUNK and done.stats()["schemes"] == {"raw": N_CHUNKS}
+    assert done.reused_tokens == N_CHUNKS * CHUNK and done.stats().to_dict()["schemes"] == {"raw": N_CHUNKS}
 
 
 def test_the_choice_follows_the_measured_rate(memory_store, context, encoded):  # noqa: F811
@@ -102,7 +103,7 @@ def test_a_missing_rung_falls_back_to_the_next_for_that_chunk(context, encoded):
     assert [i.scheme for i, _ in fetched] == ["int8-zstd", "raw", "int8-zstd"]
     assert all(i.ok for i, _ in fetched)
     done = assemble(through_steps(fetched))
-    assert done.reused_tokens == N_CHUNKS * CHUNK and done.stats()["schemes"] == {"int8-zstd": 2, "raw": 1}
+    assert done.reused_tokens == N_CHUNKS * CHUNK and done.stats().to_dict()["schemes"] == {"int8-zstd": 2, "raw": 1}
 
 
 def test_recompute_when_fetching_is_slower(memory_store, context, encoded):  # noqa: F811
@@ -170,13 +171,13 @@ def test_a_corrupt_cost_file_is_ignored(tmp_path):
 
 def test_record_request_learns_from_the_llm_steps_stats():
     c = CostModel(None, 100.0, 1.0)
-    stats = {"reused_tokens": 512, "chunks": [
+    stats = RequestStats(reused_tokens=512, chunks=[
         {"status": "ok", "scheme_id": RAW, "bytes": 2560, "s": {"decode": 0.0256, "restore": 0.00256}},
-        {"status": "corrupt", "scheme_id": ZSTD, "bytes": 10, "s": {"decode": 9.0}}]}
+        {"status": "corrupt", "scheme_id": ZSTD, "bytes": 10, "s": {"decode": 9.0}}])
     record_request(c, stats, 256)
     assert c.rung(RAW).bytes_per_token == 10 and c.rung(RAW).decode_s_per_token == pytest.approx(1e-4)
     assert not c.known(ZSTD)
-    record_request(c, {"reused_tokens": 0, "computed_tokens": 1000, "compute_first_token_s": 5.0}, 256)
+    record_request(c, RequestStats(reused_tokens=0, computed_tokens=1000, compute_first_token_s=5.0), 256)
     assert c.prefill_s_per_token == pytest.approx(5e-3)
 
 
@@ -193,10 +194,10 @@ def test_overlap_counts_work_done_while_a_transfer_ran():
     # transfer 0-1, 1-2; decode of chunk 0 at 1-1.5 (hidden), of chunk 1 at 2-2.5 (not)
     infos = [_info(0, (0, 1), (1, 1.5), (1.5, 1.6)), _info(1, (1, 2), (2, 2.5), (2.5, 2.6))]
     o = overlap(infos)
-    assert o["transfer_s"] == pytest.approx(2.0) and o["decode_s"] == pytest.approx(1.0)
-    assert o["hidden_s"] == pytest.approx(0.6) and o["hidden_fraction"] == pytest.approx(0.6 / 1.2, abs=1e-3)
-    assert o["bound_s"] == pytest.approx(2.0) and o["slowest_stage"] == "fetch"
+    assert o.transfer_s == pytest.approx(2.0) and o.decode_s == pytest.approx(1.0)
+    assert o.hidden_s == pytest.approx(0.6) and o.hidden_fraction == pytest.approx(0.6 / 1.2, abs=1e-3)
+    assert o.bound_s == pytest.approx(2.0) and o.slowest_stage == "fetch"
 
 
 def test_overlap_of_nothing_is_zero():
-    assert overlap([ChunkInfo("s", 0, 0, status="none")])["bound_s"] == 0.0
+    assert overlap([ChunkInfo("s", 0, 0, status="none")]).bound_s == 0.0

@@ -1,16 +1,21 @@
-"""KV chunk <-> container bytes (kvcodec.chunk) for every scheme, and the schemes themselves."""
+"""KV chunk <-> container bytes (kvcodec.encode, serving.decode, serving.restore) for every scheme,
+and the schemes themselves."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
-from kvcodec import container
-from kvcodec.chunk import PAYLOAD, ChunkDecoder, ChunkEncoder, restore
-from kvcodec.container import Container
+from kvcodec.format import container
+from kvcodec.encode import PAYLOAD, ChunkEncoder
+from kvcodec.serving.decode import ChunkDecoder
+from kvcodec.serving.restore import descriptor, from_descriptor, restore
+from kvcodec.format.container import Container
 from kvcodec.errors import ConfigError, CorruptChunk, ForeignChunk
-from kvcodec.geometry import Geometry
+from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.schemes import DEFAULT_SCHEME, SCHEMES, get_scheme
+from kvcodec.format.codecs import SCHEMES, get_scheme
 
 from .conftest import on_tiny_profile
 
@@ -48,11 +53,11 @@ def _rebuild(data: bytes, **header_changes) -> bytes:
 def test_every_scheme_restores_float16_kv_of_the_right_shape(name, chunk_kv, encoded):
     decoder = ChunkDecoder(MODEL)
     decoded = decoder.decode(encoded[name], key=KEY)
-    assert PAYLOAD not in decoded.header.sections
-    assert decoded.header.header["scheme"] == name
-    assert decoded.header.header["scheme_id"] == CASES[name].identity
-    assert decoded.header.header["chunk_index"] == 2 and decoded.header.header["token_start"] == 512
-    kv = restore(decoded.header, decoded.planes)
+    assert PAYLOAD not in decoded.side
+    assert decoded.header.scheme == name
+    assert decoded.header.scheme_id == CASES[name].identity
+    assert decoded.header.chunk_index == 2 and decoded.header.token_start == 512
+    kv = restore(decoded)
     assert kv.dtype == np.float16 and kv.shape == chunk_kv.shape
     assert np.isfinite(kv).all()
     err = np.abs(kv.astype(np.float32) - chunk_kv)
@@ -76,7 +81,7 @@ def test_every_scheme_restores_float16_kv_of_the_right_shape(name, chunk_kv, enc
 @pytest.mark.parametrize("name", ["lossless8", "int8-zstd"])
 def test_lossless_8bit_schemes_restore_exactly_the_q8_round_trip(name, chunk_kv, encoded):
     decoded = ChunkDecoder(MODEL).decode(encoded[name], key=KEY)
-    kv = restore(decoded.header, decoded.planes)
+    kv = restore(decoded)
     want = _q8_round_trip(chunk_kv)
     assert np.array_equal(kv.view(np.uint16), want.view(np.uint16)), (
         f"{name}: {int((kv != want).sum())} values differ from the q8 round trip")
@@ -84,37 +89,41 @@ def test_lossless_8bit_schemes_restore_exactly_the_q8_round_trip(name, chunk_kv,
 
 def test_raw_restores_the_float16_of_the_input_exactly(chunk_kv, encoded):
     decoded = ChunkDecoder(MODEL).decode(encoded["raw"], key=KEY)
-    kv = restore(decoded.header, decoded.planes)
+    kv = restore(decoded)
     assert np.array_equal(kv.view(np.uint16), chunk_kv.astype(np.float16).view(np.uint16))
 
 
-def test_restore_accepts_flat_planes_as_they_travel_between_steps(chunk_kv, encoded):
+def _over_the_wire(decoded, planes=None):
+    """``decoded`` as kv_restore receives it from kv_decode: header JSON, side bytes, typed planes."""
+    text, side = descriptor(decoded)
+    return from_descriptor(text.encode(), side, decoded.planes if planes is None else planes)
+
+
+def test_restore_accepts_planes_as_they_travel_between_steps(chunk_kv, encoded):
     decoded = ChunkDecoder(MODEL).decode(encoded["int8-zstd"], key=KEY)
-    header = container.parse(decoded.header.to_bytes())  # as kv_restore receives it
-    flat = restore(header, decoded.planes.reshape(-1))
-    assert np.array_equal(flat, restore(decoded.header, decoded.planes))
+    assert np.array_equal(restore(_over_the_wire(decoded)), restore(decoded))
 
 
 def test_video_q8_is_lossy_but_close(chunk_kv, encoded):
     decoded = ChunkDecoder(MODEL).decode(encoded["video-q8"], key=KEY)
-    kv = restore(decoded.header, decoded.planes).astype(np.float32)
+    kv = restore(decoded).astype(np.float32)
     q8 = _q8_round_trip(chunk_kv).astype(np.float32)
     step = (chunk_kv.max(axis=3, keepdims=True) - chunk_kv.min(axis=3, keepdims=True)) / 255
     levels = np.abs(kv - q8) / np.maximum(step, 1e-6)
     assert levels.mean() < 2.0, f"video-q8: mean error {levels.mean():.2f} q8 levels"
 
 
-def test_10bit_planes_travel_as_flat_bytes_and_restore_the_same(encoded):
+def test_10bit_planes_travel_typed_and_restore_the_same(encoded):
     decoded = ChunkDecoder(MODEL).decode(encoded["video"], key=KEY)
-    assert decoded.planes.dtype == np.uint16 and decoded.header.header["planes_dtype"] == "uint16"
-    header = container.parse(decoded.header.to_bytes())
-    flat = np.ascontiguousarray(decoded.planes).view(np.uint8).reshape(-1)  # what kv_decode sends
-    assert np.array_equal(restore(header, flat), restore(decoded.header, decoded.planes))
+    assert decoded.planes.dtype == np.uint16 and decoded.header.to_dict()["planes_dtype"] == "uint16"
+    assert np.array_equal(restore(_over_the_wire(decoded)), restore(decoded))
     with pytest.raises(CorruptChunk, match="shape"):
-        restore(header, flat[:-2])
-    header.header["planes_dtype"] = "float64"
+        restore(_over_the_wire(decoded, decoded.planes[:, :, :-2]))
+    with pytest.raises(CorruptChunk, match="uint8"):  # planes of the wrong sample type
+        restore(_over_the_wire(decoded, decoded.planes.astype(np.uint8)))
+    text, side = descriptor(decoded)
     with pytest.raises(CorruptChunk, match="dtype"):
-        restore(header, flat)
+        from_descriptor(text.replace('"planes_dtype":"uint16"', '"planes_dtype":"float64"'), side, decoded.planes)
 
 
 def test_a_chunk_of_another_model_is_foreign(encoded):
@@ -158,9 +167,11 @@ def test_codec_params_this_build_cannot_take_are_foreign(encoded):
 ])
 def test_restore_rejects_a_header_it_does_not_read(tamper, error, encoded):
     decoded = ChunkDecoder(MODEL).decode(encoded["int8-zstd"], key=KEY)
-    decoded.header.header.update(tamper)
+    text, side = descriptor(decoded)
+    d = json.loads(text)
+    d["header"].update(tamper)
     with pytest.raises(error):
-        restore(decoded.header, decoded.planes)
+        restore(from_descriptor(json.dumps(d), side, decoded.planes))
 
 
 @pytest.mark.parametrize("shape", [None, [8, 256], [8, 0, 192], ["a", 1, 1]])
@@ -232,4 +243,10 @@ def test_scheme_identities_are_distinct_and_name_their_parts():
     ids = {name: s.identity for name, s in SCHEMES.items()}
     assert len(set(ids.values())) == len(ids)
     assert ids["lossless8"] == 'lossless8/v2/q8/hevc{"lossless":true,"preset":"ultrafast","qp":0}'
-    assert DEFAULT_SCHEME == "lossless8"
+
+
+def test_the_default_ladder_holds_only_rungs_that_pass_the_quality_gate():
+    from kvcodec.format.ladder import DEFAULT_LADDER
+
+    gated = {"transform-zstd", "video", "int8-zstd", "raw"}  # pass in perf/results/rd.json; lossless8 does not
+    assert set(DEFAULT_LADDER) <= gated and "lossless8" not in DEFAULT_LADDER

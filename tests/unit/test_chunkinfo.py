@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcodec.chunkinfo import ChunkInfo
+from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.errors import BadRequest
 
 

@@ -1,18 +1,19 @@
-"""Bitstream codecs (kvcodec.codec): identity, zstd and HEVC through x265 and PyAV."""
+"""Bitstream codecs (kvcodec.bitstream): identity, zstd and HEVC through x265 and PyAV."""
 from __future__ import annotations
 
 import av
 import numpy as np
 import pytest
 
-from kvcodec import container
-from kvcodec.chunk import ChunkDecoder, ChunkEncoder
-from kvcodec.codec import CODECS
-from kvcodec.codec.hevc import DECODERS, Hevc, PyAVDecoder, make_decoder
+from kvcodec.format import container
+from kvcodec.encode import ChunkEncoder
+from kvcodec.serving.decode import ChunkDecoder
+from kvcodec.bitstream import CODERS
+from kvcodec.bitstream.hevc import DECODERS, Hevc, PyAVDecoder, make_decoder
 from kvcodec.errors import CorruptChunk, Unsupported
-from kvcodec.geometry import Geometry
+from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.schemes import get_scheme
+from kvcodec.format.codecs import get_scheme
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +40,16 @@ def _decode_all(data: bytes):
 
 
 def test_registry_names_the_codecs():
-    assert CODECS.names() == ["ans", "hevc", "identity", "zstd"]
+    assert CODERS.names() == ["ans", "hevc", "identity", "zstd"]
     assert DECODERS.names() == ["nvdec", "pyav"]
     with pytest.raises(Unsupported, match="ans, hevc, identity, zstd"):
-        CODECS.get("av1")
+        CODERS.get("av1")
 
 
 @pytest.mark.parametrize("name", ["identity", "zstd"])
 def test_byte_codecs_are_exact(name, q8):
     planes = q8[1]
-    codec = CODECS.get(name)()
+    codec = CODERS.get(name)()
     data = codec.encode(planes)
     assert isinstance(data, bytes)
     out = codec.decode(data, planes.shape)
@@ -61,7 +62,7 @@ def test_byte_codecs_are_exact(name, q8):
 @pytest.mark.parametrize("name", ["identity", "zstd"])
 def test_byte_codecs_reject_a_wrong_size(name, q8):
     planes = q8[1]
-    codec = CODECS.get(name)()
+    codec = CODERS.get(name)()
     data = codec.encode(planes)
     f, h, w = planes.shape
     with pytest.raises(CorruptChunk, match="expected"):
@@ -72,12 +73,12 @@ def test_byte_codecs_reject_a_wrong_size(name, q8):
 
 def test_zstd_garbage_raises_corrupt():
     with pytest.raises(CorruptChunk, match="zstd"):
-        CODECS.get("zstd")().decode(b"definitely not zstd" * 4, (1, 8, 8))
+        CODERS.get("zstd")().decode(b"definitely not zstd" * 4, (1, 8, 8))
 
 
 def test_zstd_level_is_a_recorded_parameter():
-    assert CODECS.get("zstd")(level=7).params == {"level": 7}
-    assert CODECS.get("zstd")().params == {"level": 3}
+    assert CODERS.get("zstd")(level=7).params == {"level": 7}
+    assert CODERS.get("zstd")().params == {"level": 3}
 
 
 def test_hevc_params_hold_only_what_shapes_the_bitstream():

@@ -4,19 +4,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcodec import container
-from kvcodec.chunk import PAYLOAD, ChunkDecoder, ChunkEncoder, restore
-from kvcodec.codec import CODECS
+from kvcodec.format import container
+from kvcodec.encode import PAYLOAD, ChunkEncoder
+from kvcodec.serving.decode import ChunkDecoder
+from kvcodec.serving.restore import restore
+from kvcodec.bitstream import CODERS
 from kvcodec.errors import CorruptChunk
-from kvcodec.geometry import Geometry
+from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.schemes import get_scheme
+from kvcodec.format.codecs import get_scheme
 
 
 def _roundtrip(scheme, kv):
     blob = ChunkEncoder(scheme, "m").encode(kv, "k", 0, 0)
     d = ChunkDecoder("m").decode(blob, key="k")
-    return blob, d, restore(d.header, d.planes)
+    return blob, d, restore(d)
 
 
 @pytest.mark.parametrize("levels", [16, 64])
@@ -62,7 +64,7 @@ def test_ans_codec_is_lossless_on_any_planes():
     rng = np.random.default_rng(1)
     planes = rng.integers(0, 9, (3, 64, 16)).astype(np.uint8)
     planes[1, :, 3] = 4  # a column with one symbol
-    codec = CODECS.get("ans")()
+    codec = CODERS.get("ans")()
     assert np.array_equal(codec.decode(codec.encode(planes), planes.shape), planes)
 
 
@@ -86,7 +88,7 @@ def test_cachegen_refuses_corrupt_distribution_tables(kv):
 @pytest.mark.parametrize("name", ["nlevel-zstd", "cachegen"])
 def test_corrupt_scales_are_refused(kv, name):
     blob, d, _ = _roundtrip(get_scheme(name), kv)
-    key = next(iter(d.header.sections))
-    d.header.sections[key] = d.header.sections[key][:-2]
+    key = next(iter(d.side))
+    d.side[key] = d.side[key][:-2]
     with pytest.raises(CorruptChunk):
-        restore(d.header, d.planes)
+        restore(d)

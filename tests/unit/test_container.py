@@ -1,13 +1,14 @@
-"""The chunk container (kvcodec.container): every byte is covered by a check."""
+"""The chunk container (kvcodec.format.container): every byte is covered by a check."""
 from __future__ import annotations
 
 import json
 import struct
 
+import numpy as np
 import pytest
 
-from kvcodec import container
-from kvcodec.container import FORMAT_VERSION, MAGIC, Container
+from kvcodec.format import container
+from kvcodec.format.container import _PREFIX, FORMAT_VERSION, MAGIC, Container, _digest, parse
 from kvcodec.errors import CorruptChunk, ForeignChunk
 
 PREFIX = struct.Struct("<4sHI")
@@ -144,3 +145,32 @@ def test_without_drops_a_section_and_still_round_trips():
     assert back.header == c.header
     assert back.sections == {k: v for k, v in c.sections.items() if k != "payload"}
     assert container.parse(c.without("payload", "q8_min", "q8_step", "empty").to_bytes()).sections == {}
+
+
+def test_parse_reads_any_buffer_without_copying_the_sections():
+    data = Container({"model_id": "m"}, {"payload": b"\x01" * 4096, "side": b"xy"}).to_bytes()
+    array = np.frombuffer(data, dtype=np.uint8)  # as a Triton step receives a chunk
+    c = parse(array)
+    assert bytes(c.sections["payload"]) == b"\x01" * 4096 and bytes(c.sections["side"]) == b"xy"
+    assert np.shares_memory(np.frombuffer(c.sections["payload"], dtype=np.uint8), array)
+    assert parse(bytearray(data)).header == parse(data).header == c.header
+
+
+@pytest.mark.parametrize("sections", [
+    [{"name": "p", "length": -1, "digest": "x"}],
+    [{"name": "p"}],
+    ["p"],
+    {"name": "p"},
+])
+def test_a_bad_section_table_is_corrupt(sections):
+    header = {"sections": sections, "header_digest": ""}
+    header["header_digest"] = _digest(json.dumps(header, sort_keys=True).encode())
+    blob = json.dumps(header, sort_keys=True).encode()
+    data = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)) + blob
+    with pytest.raises(CorruptChunk):
+        parse(data)
+
+
+def test_a_non_buffer_is_corrupt():
+    with pytest.raises(CorruptChunk, match="byte buffer"):
+        parse(12345)

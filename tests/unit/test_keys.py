@@ -1,10 +1,10 @@
-"""Prefix-chained chunk keys (kvcodec.keys)."""
+"""Prefix-chained chunk keys (kvcodec.format.keys)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvcodec.keys import chunk_keys, reusable_chunks
+from kvcodec.format.keys import chunk_keys, reusable_chunks
 
 CHUNK = 256
 MODEL = "org/model@rev1"

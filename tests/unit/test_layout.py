@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvcodec.errors import BadRequest, CorruptChunk, Unsupported
-from kvcodec.geometry import Geometry
+from kvcodec.format.geometry import Geometry
 from kvcodec.layout import LAYOUTS, get_layout
 
 FP16_EPS = float(np.finfo(np.float16).eps)  # 2**-10

@@ -11,16 +11,17 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from kvcodec.assembler import Assembled, Assembler
-from kvcodec.chunk import ChunkEncoder
-from kvcodec.chunkinfo import ChunkInfo
+from kvcodec.serving.assemble import Assembled, Assembler
+from kvcodec.encode import ChunkEncoder
+from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.errors import StoreUnavailable
-from kvcodec.fetcher import Fetcher
-from kvcodec.geometry import Geometry
-from kvcodec.keys import chunk_keys
+from kvcodec.serving.fetch import Fetcher
+from kvcodec.format.geometry import Geometry
+from kvcodec.format.keys import chunk_keys
 from kvcodec.layout import get_layout
-from kvcodec.schemes import get_scheme
-from kvcodec.steps import DecodeStep, RestoreStep
+from kvcodec.format.codecs import get_scheme
+from kvcodec.serving.decode import DecodeStep
+from kvcodec.serving.restore import RestoreStep, descriptor
 from kvcodec.store import KVStore
 
 MODEL = "org/tiny@abc123"
@@ -75,8 +76,11 @@ def through_steps(fetched, decode: Optional[DecodeStep] = None, restore: Optiona
     restore = restore or RestoreStep()
     out = []
     for info, data in fetched:
-        info, planes, header = decode.run(wire(info), data)
-        info, kv = restore.run(wire(info), planes, header)
+        info = wire(info)
+        decoded = decode.run(info, np.frombuffer(data, np.uint8))
+        header, side = descriptor(decoded)  # as kv_decode sends it
+        info = wire(info)
+        kv = restore.run_described(info, header.encode(), side, decoded.planes)
         out.append((wire(info), kv))
     return out
 
@@ -199,7 +203,7 @@ def test_a_none_record_passes_every_step_and_assembles_to_nothing(memory_store, 
     assert info.status == "none" and kv.size == 0
     done = assemble(restored)
     assert done.past_kv is None and done.reused_tokens == 0
-    stats = done.stats()
+    stats = done.stats().to_dict()
     assert stats["reused_tokens"] == 0 and stats["chunks_planned"] == 0 and stats["chunks_used"] == 0
     assert "no stored prefix" in stats["miss_reason"]
 
@@ -264,7 +268,7 @@ def test_end_to_end_assembles_the_restored_chunks(memory_store, context, encoded
     want = kv.astype(np.float16) if scheme == "raw" else np.concatenate(
         [q8_round_trip(kv[:, :, :, i * CHUNK:(i + 1) * CHUNK]) for i in range(N_CHUNKS)], axis=3)
     assert np.array_equal(done.past_kv, want)
-    stats = done.stats()
+    stats = done.stats().to_dict()
     assert stats["reused_tokens"] == 768 and stats["chunks_planned"] == 3 and stats["chunks_used"] == 3
     assert stats["scheme"] == scheme and stats["miss_reason"] == ""
     assert stats["bytes_fetched"] == sum(len(d) for _, d in encoded[scheme])
@@ -283,9 +287,9 @@ def test_a_corrupted_chunk_is_a_miss_from_that_chunk_on(memory_store, context, e
     done = assemble(restored)
     assert done.reused_tokens == CHUNK
     assert np.array_equal(done.past_kv, restored[0][1])
-    reason = done.stats()["miss_reason"]
+    reason = done.stats().to_dict()["miss_reason"]
     assert "chunk 1" in reason and "corrupt" in reason, reason
-    assert done.stats()["chunks_used"] == 2  # chunk 2 was good, but comes after the hole
+    assert done.stats().to_dict()["chunks_used"] == 2  # chunk 2 was good, but comes after the hole
 
 
 def test_a_chunk_under_the_wrong_key_is_foreign(memory_store, context, encoded):
@@ -319,14 +323,15 @@ def test_decode_step_uses_the_model_it_was_made_for(memory_store, context, encod
 
 def test_steps_pass_a_failed_chunk_through_untouched():
     info = ChunkInfo("s", 1, 3, key="k").fail("miss", "gone")
-    out_info, planes, header = DecodeStep(MODEL).run(info, b"whatever")
-    assert out_info.status == "miss" and planes.size == 0 and header == b""
-    out_info, kv = RestoreStep().run(out_info, planes, header)
-    assert out_info.status == "miss" and out_info.reason == "gone" and kv.size == 0 and kv.ndim == 5
+    decoded = DecodeStep(MODEL).run(info, b"whatever")
+    assert info.status == "miss" and decoded.planes.size == 0 and decoded.header is None
+    kv = RestoreStep().run(info, decoded)
+    assert info.status == "miss" and info.reason == "gone" and kv.size == 0 and kv.ndim == 5
 
 
 def test_restore_step_marks_bad_header_bytes_corrupt():
-    info, kv = RestoreStep().run(ChunkInfo("s", 0, 1, tokens=CHUNK), np.zeros(10, np.uint8), b"not a chunk header")
+    info = ChunkInfo("s", 0, 1, tokens=CHUNK)
+    kv = RestoreStep().run_described(info, b"not a chunk header", np.zeros(0, np.uint8), np.zeros((1, 1, 10), np.uint8))
     assert info.status == "corrupt" and kv.size == 0
 
 
@@ -372,7 +377,7 @@ def test_assembler_drops_sessions_older_than_ttl():
 
 
 def test_assembler_keeps_sessions_within_ttl(monkeypatch):
-    from kvcodec import assembler as assembler_module
+    from kvcodec.serving import assemble as assembler_module
 
     clock = iter([100.0, 100.0, 105.0, 105.0, 111.0, 111.0])
     monkeypatch.setattr(assembler_module.time, "monotonic", lambda: next(clock))

@@ -1,12 +1,12 @@
-"""``kvcodec rd``'s bookkeeping (kvcodec_client.rd): the per-setting summary, the quality gate, the
-best passing setting per codec; and the eval set it runs over (kvcodec.evalset)."""
+"""``kvcodec rd``'s bookkeeping (perf.quality.rd): the per-setting summary, the quality gate, the
+best passing setting per codec; and the eval set it runs over (perf.quality.evalset)."""
 from __future__ import annotations
 
 import pytest
 
-from kvcodec import evalset
+from perf.quality import evalset
 from kvcodec.errors import ConfigError
-from kvcodec_client.rd import DEFAULT_SETTINGS, best_passing, plot, summarise
+from perf.quality.rd import DEFAULT_SETTINGS, best_passing, plot, summarise
 
 
 def _row(text, setting, kl, top1, greedy, fp16=1000, stored=250):

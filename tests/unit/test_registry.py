@@ -77,7 +77,8 @@ def test_library_registries_do_not_import_heavy_modules_until_used():
     """Registering the hevc codec and nvdec decoder must not import PyAV or PyNvVideoCodec."""
     import subprocess
 
-    code = ("import sys, kvcodec.codec, kvcodec.store, kvcodec.layout, kvcodec.chunk; "
+    code = ("import sys, kvcodec.bitstream, kvcodec.store, kvcodec.layout, kvcodec.encode, kvcodec.serving.decode, "
+            "kvcodec.serving.restore, kvcodec.serving.request, kvcodec.engines, kvcodec.settings; "
             "bad = [m for m in ('av', 'PyNvVideoCodec', 'zstandard', 'torch') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

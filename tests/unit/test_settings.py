@@ -16,7 +16,8 @@ def test_defaults(tmp_path, monkeypatch):
     assert s.home == home
     assert s.store == f"file://{home / 'store'}"
     assert s.model_cache == home / "models"
-    assert s.codecs == ("lossless8", "video", "int8-zstd", "raw", "nlevel-zstd", "transform-zstd", "cachegen")
+    assert s.ladder == ("transform-zstd", "video", "int8-zstd", "raw")  # rungs that pass the quality gate
+    assert s.engine == "transformers"
     assert (s.chunk_tokens, s.threads, s.decoder) == (256, 0, "pyav")
 
 
@@ -31,7 +32,8 @@ def test_home_moves_the_store_and_model_cache(tmp_path):
     ("threads", "3", "2", 0),
     ("decoder", "auto", "nvdec", "pyav"),
     ("store", "memory://x", "file:///tmp/env-store", None),
-    ("codecs", "raw", "int8-zstd,video", None),
+    ("ladder", "raw", "int8-zstd,video", None),
+    ("engine", "transformers", "transformers", "transformers"),
 ])
 def test_explicit_beats_env_beats_default(name, explicit, env, default, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -39,7 +41,7 @@ def test_explicit_beats_env_beats_default(name, explicit, env, default, tmp_path
 
     def value(s):
         v = getattr(s, name)
-        return ",".join(v) if name == "codecs" else v
+        return ",".join(v) if name == "ladder" else v
 
     def typed(text):
         return int(text) if name in ("chunk_tokens", "threads") else text
@@ -76,8 +78,9 @@ def test_unknown_key_raises_naming_it():
     ("threads", "two", "threads must be an integer, got 'two'"),
     ("decoder", "cuda", "decoder must be one of pyav, nvdec, auto, got 'cuda'"),
     ("decoder", "PYAV", "'PYAV'"),
-    ("codecs", "lossless8,h266", "codecs: codec 'h266' is unknown"),
-    ("codecs", "LOSSLESS8", "'LOSSLESS8'"),
+    ("ladder", "lossless8,h266", "ladder: codec 'h266' is unknown"),
+    ("ladder", "LOSSLESS8", "'LOSSLESS8'"),
+    ("engine", "tensorrt", "engine must be one of transformers, got 'tensorrt'"),
 ])
 def test_bad_values_raise_config_error_naming_field_and_value(name, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -88,21 +91,26 @@ def test_bad_values_raise_config_error_naming_field_and_value(name, value, match
 
 @pytest.mark.parametrize("value", [",", " , "])
 def test_an_empty_codec_list_raises_config_error(value):
-    with pytest.raises(ConfigError, match="codecs"):
-        Settings.load({"codecs": value}, env={})
+    with pytest.raises(ConfigError, match="ladder"):
+        Settings.load({"ladder": value}, env={})
 
 
-def test_codecs_list_is_stripped_and_ordered():
-    assert Settings.load({"codecs": " raw , lossless8 ,"}, env={}).codecs == ("raw", "lossless8")
+def test_ladder_is_stripped_and_ordered():
+    assert Settings.load({"ladder": " raw , lossless8 ,"}, env={}).ladder == ("raw", "lossless8")
+
+
+def test_the_ladders_old_name_is_still_read_from_the_environment():
+    assert Settings.load({}, env={"KVCODEC_CODECS": "raw"}).ladder == ("raw",)
+    assert Settings.load({}, env={"KVCODEC_CODECS": "raw", "KVCODEC_LADDER": "video"}).ladder == ("video",)
 
 
 def test_environ_round_trips_through_load(tmp_path):
-    s = Settings.load({"home": str(tmp_path / "h"), "store": "memory://rt", "codecs": "raw,video",
+    s = Settings.load({"home": str(tmp_path / "h"), "store": "memory://rt", "ladder": "raw,video",
                        "chunk_tokens": "128", "threads": "2", "decoder": "auto"}, env={})
     env = s.environ()
     assert set(env) == {f"KVCODEC_{n}" for n in
-                        ("HOME", "STORE", "MODEL_CACHE", "CODECS", "CHUNK_TOKENS", "THREADS", "DECODER",
-                         "ADAPTIVE", "LINK_MBPS", "DEADLINE_S")}
+                        ("HOME", "STORE", "MODEL_CACHE", "LADDER", "CHUNK_TOKENS", "THREADS", "DECODER",
+                         "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})

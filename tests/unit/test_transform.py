@@ -5,14 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcodec.chunk import ChunkDecoder, ChunkEncoder, restore
+from kvcodec.encode import ChunkEncoder
+from kvcodec.serving.decode import ChunkDecoder
+from kvcodec.serving.restore import restore
 from kvcodec.errors import ConfigError, CorruptChunk, ForeignChunk
-from kvcodec.geometry import Geometry
+from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.profiles import DEFAULT_PROFILE, fit_profile, load_profile, read_profile, save_profile
+from kvcodec.engines.model_files import CODEC_PROFILE
+from kvcodec.profiles import fit_profile, load_profile, read_profile, save_profile
 from kvcodec.profiles import _CACHE as PROFILE_CACHE
 from kvcodec.profiles.rope import rope, unrope
-from kvcodec.schemes import get_scheme
+from kvcodec.format.codecs import get_scheme
 
 from .conftest import THETA, TINY_PROFILE, on_tiny_profile, structured_kv
 
@@ -77,7 +80,7 @@ def test_coarser_steps_store_fewer_bytes_and_chunks_restore_at_their_position(ti
         scheme = on_tiny_profile(get_scheme("transform-zstd", step))
         blob = ChunkEncoder(scheme, "m").encode(kv, "k", 3, 768)
         d = ChunkDecoder("m").decode(blob, key="k")
-        out = restore(d.header, d.planes)
+        out = restore(d)
         assert out.shape == kv.shape
         assert np.abs(out.astype(np.float32) - kv).max() < 0.5
         sizes[step] = len(blob)
@@ -104,9 +107,10 @@ def test_the_profile_must_fit_the_model(tiny_profile):
 
 
 def test_the_shipped_profile_is_smollm2s():
-    p = load_profile(DEFAULT_PROFILE)
+    p = load_profile(CODEC_PROFILE)  # the profile SmolLM2's model card names
     assert (p.layers, p.kv_heads, p.head_dim, p.rope_theta) == (30, 3, 64, 100000.0)
-    assert get_scheme("transform-zstd").layout_params["profile"] == DEFAULT_PROFILE
+    assert get_scheme("transform-zstd", profile=CODEC_PROFILE).layout_params["profile"] == CODEC_PROFILE
+    assert "profile" not in get_scheme("transform-zstd").layout_params  # the codec table names none
     # most of the variance in few components, keys (before RoPE) more than values
     share = p.variance[..., :32].sum(-1) / p.variance.sum(-1)
     assert share[:, 0].mean() > 0.7 and share[:, 1].mean() > 0.5

@@ -1,2 +1,101 @@
-"""Engines that run the model on (restored) KV: ``transformers`` (CPU/GPU reference) here;
-the TensorRT-LLM KV cache connector comes with its own issue."""
+"""Engines: what runs the model on restored KV. One seam, chosen by name.
+
+An engine entry is registered in ``ENGINES`` as ``"module:Class"`` (imported only when chosen, so
+a heavy engine costs nothing to those who do not pick it); ``--engine NAME`` / ``KVCODEC_ENGINE``
+(setting ``engine``, default ``transformers``) picks one. Adding an engine is one ``register``
+line and a class that keeps the contract below.
+
+Contract of an engine class:
+
+- ``Class.card(settings) -> ModelCard`` (classmethod, cheap: no weights loaded, nothing
+  converted): the model's identity (bound into every chunk key), KV geometry, vocabulary size,
+  context length and codec profile name. The steps that only fetch and decode (``kv_fetch``,
+  ``kv_decode``) use this and never load the model.
+- ``Class.prepare(settings)``: make the model's files ready (may convert them, once; cheap after).
+- ``Class.tokenizer(settings)``: the model's tokenizer (``encode(text)``, ``decode(ids)``) alone,
+  for clients that send token ids.
+- ``Class.from_settings(settings) -> Engine``: load the model.
+- ``engine.card``: its ``ModelCard``; ``engine.geometry(tokens)``: KV geometry of ``tokens``.
+- ``engine.tokenize(text) -> list[int]`` (no special tokens added) and
+  ``engine.detokenizer() -> Detokenizer`` (incremental: ``push(token) -> text added``).
+- ``engine.prefill_chunks(ids, chunk_tokens)``: the KV of each full chunk of ``ids``, float32
+  ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (ingest, the quality harness).
+- ``engine.stream(ids, max_tokens, past_kv=None)``: greedy token ids one by one; with ``past_kv``
+  (the KV of ``ids[:n]``, ``n < len(ids)``) only ``ids[n:]`` is computed.
+- ``engine.continuation_logprobs(past_kv, ids)``: teacher-forced next-token log-probabilities
+  ``[len(ids), vocab]`` (the quality harness).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Protocol, Sequence
+
+import numpy as np
+
+from ..format.geometry import Geometry
+from ..registry import Registry
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the serving steps need to know of a model without loading it."""
+
+    name: str  # e.g. SmolLM2-135M-Instruct
+    model_id: str  # name + a digest of the weights: bound into every chunk key and header
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int  # token ids must be below this
+    max_context: int  # prompt + generated tokens
+    codec_profile: Optional[str] = None  # the PCA profile of the transform layouts (``kvcodec.profiles``)
+
+    def geometry(self, tokens: int) -> Geometry:
+        return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, tokens=tokens)
+
+
+class Detokenizer(Protocol):
+    def push(self, token: int) -> str:
+        """The text that ``token`` adds (may be '' until a multi-token character is complete)."""
+
+    def flush(self) -> str:
+        """Whatever text is still held back at the end."""
+
+
+class Engine(Protocol):
+    card: ModelCard
+
+    def geometry(self, tokens: int) -> Geometry: ...
+
+    def tokenize(self, text: str) -> List[int]: ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+    def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]: ...
+
+    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None) -> Iterator[int]: ...
+
+    def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
+
+
+ENGINES: Registry = Registry("engine")
+ENGINES.register("transformers", "kvcodec.engines.transformers_engine:TransformersEngine")
+
+
+def model_card(settings) -> ModelCard:
+    """The chosen engine's model card (cheap)."""
+    return ENGINES.get(settings.engine).card(settings)
+
+
+def prepare(settings) -> None:
+    """Make the chosen engine's model files ready (``kvcodec serve`` does it before the server starts)."""
+    ENGINES.get(settings.engine).prepare(settings)
+
+
+def tokenizer(settings):
+    """The chosen engine's tokenizer."""
+    return ENGINES.get(settings.engine).tokenizer(settings)
+
+
+def open_engine(settings) -> Engine:
+    """The chosen engine, loaded."""
+    return ENGINES.get(settings.engine).from_settings(settings)

@@ -16,13 +16,19 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict
 
 from ..errors import Unsupported
+from . import ModelCard
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER = "smollm2-135m-instruct"
 _READY = "kvcodec-model.json"
+# The model's shape, as its config says (checked against the config when the engine loads it).
+_SHAPE = dict(layers=30, kv_heads=3, head_dim=64, vocab_size=49152, max_context=8192)
+CODEC_PROFILE = "smollm2-135m-v1"  # fitted on this model (``kvcodec profile fit``), shipped
+_IDS: Dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -32,12 +38,38 @@ class ModelFiles:
 
     def geometry(self, tokens: int):
         """The KV geometry of this model (from its config.json), without loading the weights."""
-        from ..geometry import Geometry
+        from ..format.geometry import Geometry
 
         cfg = json.loads((self.path / "config.json").read_text())
         heads = int(cfg["num_attention_heads"])
         return Geometry(layers=int(cfg["num_hidden_layers"]), kv_heads=int(cfg.get("num_key_value_heads", heads)),
                         head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads), tokens=tokens)
+
+
+def model_id(cache_dir: os.PathLike) -> str:
+    """The model identity without converting anything: the converted folder's record, or else
+    the same value computed from the GGUF file (name + its SHA-256; ~0.2 s, once per process)."""
+    marker = Path(cache_dir) / FOLDER / _READY
+    if marker.is_file():
+        return json.loads(marker.read_text())["model_id"]
+    gguf = _gguf_path()
+    if str(gguf) not in _IDS:
+        _IDS[str(gguf)] = f"{MODEL_NAME}@gguf-sha256:{_sha256(gguf)}"
+    return _IDS[str(gguf)]
+
+
+def card(cache_dir: os.PathLike) -> ModelCard:
+    return ModelCard(name=MODEL_NAME, model_id=model_id(cache_dir), codec_profile=CODEC_PROFILE, **_SHAPE)
+
+
+def check_config(config: dict) -> None:
+    """Raise ``Unsupported`` if the converted model's config is not the shape the card says."""
+    heads = int(config["num_attention_heads"])
+    got = dict(layers=int(config["num_hidden_layers"]), kv_heads=int(config.get("num_key_value_heads", heads)),
+               head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+               vocab_size=int(config["vocab_size"]), max_context=int(config["max_position_embeddings"]))
+    if got != _SHAPE:
+        raise Unsupported(f"the converted model is {got}, its card says {_SHAPE}")
 
 
 def _gguf_path() -> Path:

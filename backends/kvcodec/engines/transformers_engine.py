@@ -1,4 +1,5 @@
-"""The reference engine: a Hugging Face causal LM on the CPU (or a GPU), greedy decoding.
+"""The reference engine (``transformers``): a Hugging Face causal LM on the CPU (or a GPU),
+dense cache, one request at a time, greedy decoding. It keeps the contract of ``kvcodec.engines``.
 
 - ``tokenize(text)``: the model's token ids (no special tokens added);
 - ``prefill_chunks(ids, chunk_tokens)``: runs prefill chunk by chunk and yields each chunk's KV
@@ -14,16 +15,37 @@ from typing import Iterator, List, Optional, Sequence
 import numpy as np
 
 from ..errors import BadRequest
-from ..geometry import Geometry
+from ..format.geometry import Geometry
+from . import ModelCard
+from . import model_files
 from .model_files import ModelFiles
+from .tokenizer import IncrementalDetokenizer
 
 
 class TransformersEngine:
+    @classmethod
+    def card(cls, settings) -> ModelCard:
+        return model_files.card(settings.model_cache)
+
+    @classmethod
+    def prepare(cls, settings) -> None:
+        model_files.ensure_model(settings.model_cache)
+
+    @classmethod
+    def tokenizer(cls, settings):
+        from .tokenizer import Tokenizer
+
+        return Tokenizer(model_files.ensure_model(settings.model_cache))
+
+    @classmethod
+    def from_settings(cls, settings, device: str = "cpu") -> "TransformersEngine":
+        return cls(model_files.ensure_model(settings.model_cache), threads=settings.threads or None, device=device)
+
     def __init__(self, files: ModelFiles, threads: Optional[int] = None, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ..tokenizer import Tokenizer
+        from .tokenizer import Tokenizer
 
         if threads:
             torch.set_num_threads(int(threads))
@@ -34,6 +56,8 @@ class TransformersEngine:
         self.tokenizer = Tokenizer(files)
         self.model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).to(self.device).eval()
         cfg = self.model.config
+        model_files.check_config(cfg.to_dict())
+        self.card = model_files.card(files.path.parent)
         self.layers = int(cfg.num_hidden_layers)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
@@ -49,6 +73,9 @@ class TransformersEngine:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer.decode)
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -89,7 +116,7 @@ class TransformersEngine:
             raise BadRequest(f"restored KV has shape {tuple(past_kv.shape)}, the model needs {want}")
         torch = self._torch
         cache = self._new_cache()
-        kv = torch.from_numpy(np.ascontiguousarray(past_kv)).to(self.device, torch.float32)
+        kv = torch.from_numpy(past_kv).to(self.device, torch.float32)  # one copy, also from a strided view
         for layer in range(self.layers):
             cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
         return cache

@@ -1,8 +1,12 @@
 """KV tensor <-> frames. The research on codec-friendly layouts lives here.
 
-A ``Layout`` turns a KV chunk into planes (a ``uint8`` array ``[frames, height, width]``) plus
-named side sections (quantization scales...), and back. ``to_planes`` may lose precision
-(quantization); ``from_planes`` must be exact for the planes it is given, and cheap.
+A ``Layout`` turns a KV chunk into planes (``[frames, height, width]``, uint8, or uint16 for the
+10-bit ``pca10``) plus named side sections (quantization scales, steps, token order...), and back.
+``to_planes`` may lose precision (quantization); ``from_planes`` must be exact for the planes it is
+given, cheap, and return float16 ``[layers, 2, kv_heads, tokens, head_dim]``. Layouts with
+``needs_positions`` (keys before RoPE) take ``token_start`` as a keyword in both directions. Layouts
+that project on a per-model codec profile take its name as the ``profile`` parameter (the model
+card names it; ``format.codecs.Scheme.with_profile``).
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ..geometry import Geometry
+from ..format.geometry import Geometry
 from ..registry import Registry
 
 

@@ -16,7 +16,7 @@ from typing import Dict, Tuple
 import numpy as np
 
 from ..errors import ConfigError, CorruptChunk
-from ..geometry import Geometry
+from ..format.geometry import Geometry
 from . import Layout
 
 KEY_FIRST_LAYERS = 10

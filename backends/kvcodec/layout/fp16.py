@@ -6,7 +6,7 @@ from typing import Dict, Tuple
 import numpy as np
 
 from ..errors import CorruptChunk
-from ..geometry import Geometry
+from ..format.geometry import Geometry
 from . import Layout
 
 

@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 import numpy as np
 
 from ..errors import ConfigError, CorruptChunk
-from ..geometry import Geometry
+from ..format.geometry import Geometry
 from . import Layout
 
 

@@ -18,13 +18,13 @@ Side data: the profile digest (``pca_profile``) and the float32 steps (``pca_ste
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
 from ..errors import ConfigError, CorruptChunk, ForeignChunk
-from ..geometry import Geometry
-from ..profiles import DEFAULT_PROFILE, Profile, load_profile
+from ..format.geometry import Geometry
+from ..profiles import Profile, load_profile
 from ..profiles.rope import rope, unrope
 from . import Layout
 
@@ -46,14 +46,14 @@ class PcaUniform(Layout):
     version = 1
     needs_positions = True
 
-    def __init__(self, profile: str = DEFAULT_PROFILE, step: int = 160, kv_balance: float = 2.0) -> None:
+    def __init__(self, profile: Optional[str] = None, step: int = 160, kv_balance: float = 2.0) -> None:
         step = int(step)
         if not 1 <= step <= 10000:
             raise ConfigError(f"step must be 1..10000 (thousandths of the layer RMS), got {step}")
         kv_balance = float(kv_balance)
         if not 0.01 <= kv_balance <= 100:
             raise ConfigError(f"kv_balance must be 0.01..100, got {kv_balance}")
-        self.profile_name = str(profile)
+        self.profile_name = profile
         self.step = step
         self.kv_balance = kv_balance
         self._profile = None
@@ -61,7 +61,9 @@ class PcaUniform(Layout):
     @property
     def profile(self) -> Profile:
         if self._profile is None:
-            self._profile = load_profile(self.profile_name)
+            if not self.profile_name:
+                raise ConfigError(f"layout {self.name} needs a codec profile: the engine's model card names it")
+            self._profile = load_profile(str(self.profile_name))
         return self._profile
 
     def _checked(self, g: Geometry) -> Profile:
@@ -159,7 +161,7 @@ class PcaVideo(PcaUniform):
     CENTRE = 512
     HALF = 511
 
-    def __init__(self, profile: str = DEFAULT_PROFILE, step: int = 40, kv_balance: float = 2.0,
+    def __init__(self, profile: Optional[str] = None, step: int = 40, kv_balance: float = 2.0,
                  reorder: int = 0) -> None:
         super().__init__(profile=profile, step=step, kv_balance=kv_balance)
         if int(reorder) not in (0, 1):

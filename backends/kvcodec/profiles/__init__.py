@@ -26,7 +26,6 @@ import numpy as np
 from ..errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_PROFILE = "smollm2-135m-v1"
 _CACHE: Dict[str, "Profile"] = {}
 _LOCK = threading.Lock()
 

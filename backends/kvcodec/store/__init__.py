@@ -11,7 +11,7 @@ Redis):
 - ``delete(key)``: remove if present;
 - ``close()``: release connections.
 Transport failures raise ``StoreUnavailable``, and so does a store that refuses the credentials
-(the message says so). Keys are ``[0-9a-z/]`` paths made by ``kvcodec.keys``.
+(the message says so). Keys are ``[0-9a-z/]`` paths made by ``kvcodec.format.keys``.
 
 ``open_store(url)`` picks the backend by scheme (``file://DIR``, ``memory://NAME``,
 ``http://HOST:PORT/PREFIX``, ``redis://:PASSWORD@HOST:PORT/DB``,

@@ -4,7 +4,7 @@ library errors -> Triton error codes. Imported only inside Triton's python-backe
 Error mapping (one request fails, never the batch; the client gets a short message, the server
 log keeps the traceback):
 
-- ``BadRequest`` (any ``ValueError``) -> INVALID_ARG
+- ``BadRequest``                   -> INVALID_ARG (only it: an internal ``ValueError`` is INTERNAL)
 - ``StoreUnavailable``             -> UNAVAILABLE
 - ``Unsupported``                  -> UNSUPPORTED
 - anything else                    -> INTERNAL ("internal error; see the server log")
@@ -63,6 +63,15 @@ def tensor(name: str, value) -> "pb_utils.Tensor":
     return pb_utils.Tensor(name, np.ascontiguousarray(value))
 
 
+def passthrough(request, *names: str) -> list:
+    """The named inputs, sent on unchanged (see the ensemble's config: why they pass through)."""
+    return [pb_utils.get_input_tensor_by_name(request, name) for name in names]
+
+
+def has_input(request, name: str) -> bool:
+    return pb_utils.get_input_tensor_by_name(request, name) is not None
+
+
 def text_tensor(name: str, text) -> "pb_utils.Tensor":
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     return pb_utils.Tensor(name, np.array([data], dtype=np.object_))
@@ -73,7 +82,7 @@ def _code(name: str):
 
 
 def error_for(exc: BaseException) -> "pb_utils.TritonError":
-    if isinstance(exc, ValueError):  # BadRequest included
+    if isinstance(exc, BadRequest):
         message, code = str(exc), _code("INVALID_ARG")
     elif isinstance(exc, StoreUnavailable):
         message, code = str(exc), _code("UNAVAILABLE")

@@ -1,23 +1,29 @@
-"""llm: gather a request's restored chunks, then generate; one response per new token."""
+"""llm: gather a request's restored chunks, then generate; one response per new token.
+
+The engine comes from the registry (``engine`` setting, ``KVCODEC_ENGINE``). Every request's
+stream ends with a FINAL response, also when generation fails half-way.
+"""
 import json
+import logging
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from kvcodec.assembler import Assembler
-from kvcodec.chunkinfo import ChunkInfo
-from kvcodec.costs import for_settings, record_request
-from kvcodec.engines.model_files import ensure_model
-from kvcodec.engines.transformers_engine import TransformersEngine
-from kvcodec.generate import generate
+from kvcodec.engines import open_engine
+from kvcodec.serving.assemble import Assembler
+from kvcodec.serving.chunkinfo import ChunkInfo
+from kvcodec.serving.costs import for_settings, record_request
+from kvcodec.serving.generate import generate
 from kvcodec.settings import Settings
 from kvcodec.triton import FINAL, error_response, get_array, get_scalar, get_text, model_parameters, tensor, text_tensor
+
+log = logging.getLogger("kvcodec.llm")
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.settings = Settings.load(model_parameters(args))
-        self.engine = TransformersEngine(ensure_model(self.settings.model_cache), threads=self.settings.threads)
+        self.engine = open_engine(self.settings)
         self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)
         self.assembler = Assembler()
         self.metrics = _Metrics()
@@ -25,28 +31,32 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            final_sent = False
             try:
                 info = ChunkInfo.from_json(get_text(request, "chunk_info"))
-                kv = get_array(request, "kv", np.float16)
-                assembled = self.assembler.add(info, kv)
+                assembled = self.assembler.add(info, get_array(request, "kv", np.float16))  # copied into its slot
                 if assembled is None:  # more chunks of this request to come
-                    sender.send(flags=FINAL)
                     continue
                 ids = get_array(request, "input_ids", np.int32, ndim=1).tolist()
                 max_tokens = int(get_scalar(request, "max_tokens", np.int32))
+                reused = tensor("reused_tokens", np.array([assembled.reused_tokens], np.int32))
                 for event in generate(self.engine, ids, max_tokens, assembled):
                     if event.final:
                         self.metrics.record(event.stats)
                         _safely(record_request, self.costs, event.stats, self.settings.chunk_tokens)
+                    stats = json.dumps(event.stats.to_dict()) if event.stats else "{}"
                     sender.send(pb_utils.InferenceResponse([
                         tensor("output_ids", np.array([event.token], np.int32)),
                         text_tensor("text_output", event.text),
-                        tensor("reused_tokens", np.array([assembled.reused_tokens], np.int32)),
-                        text_tensor("stats", json.dumps(event.stats) if event.stats else "{}"),
+                        reused,
+                        text_tensor("stats", stats),
                     ]))
-                sender.send(flags=FINAL)
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
+                final_sent = True
+            finally:
+                if not final_sent:
+                    sender.send(flags=FINAL)
         return None
 
 
@@ -70,12 +80,9 @@ class _Metrics:
         self._bytes = self.bytes.Metric(labels={})
 
     def record(self, stats):
-        if stats.get("reused_tokens"):
-            outcome = "partial" if stats.get("miss_reason") else "reuse"
-        else:
-            outcome = "prefill"
+        outcome = stats.outcome
         if outcome not in self._by_outcome:
             self._by_outcome[outcome] = self.requests.Metric(labels={"outcome": outcome})
         self._by_outcome[outcome].increment(1)
-        self._tokens.increment(int(stats.get("reused_tokens", 0)))
-        self._bytes.increment(int(stats.get("bytes_fetched", 0)))
+        self._tokens.increment(int(stats.reused_tokens))
+        self._bytes.increment(int(stats.bytes_fetched))

@@ -1,0 +1,159 @@
+"""HEVC planes codec: x265 encode in software, decode by PyAV (FFmpeg) or NVDEC.
+
+Each plane becomes one luma frame of a raw Annex-B HEVC stream, 4:2:0 with the chroma planes
+held at mid-grey, every frame an IDR picture (forced per frame, so that x265 keeps the HEVC Main
+profile: ``keyint=1`` would make it signal the "Main Intra" range-extension profile), so the
+stream stays within what NVDEC decodes (HEVC Main, 8-bit, or Main10 for ``bit_depth=10``, whose
+planes are ``uint16`` samples 0..1023; not monochrome). ``lossless=True`` gives x265's lossless mode (bit-exact);
+otherwise ``qp`` sets a constant quantizer. Frame order is the stream order (raw streams carry
+no timestamps).
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import List, Tuple
+
+import numpy as np
+
+from ..errors import CorruptChunk, Unsupported
+from ..registry import Registry
+from . import BitstreamCoder
+
+DECODERS: Registry = Registry("hevc decoder")
+DECODERS.register("pyav", "kvcodec.bitstream.hevc:PyAVDecoder")
+DECODERS.register("nvdec", "kvcodec.bitstream.nvdec:NvdecDecoder")
+
+
+class PyAVDecoder:
+    """Software HEVC decode with FFmpeg through PyAV."""
+
+    name = "pyav"
+
+    def __init__(self, threads: int = 1) -> None:
+        import av
+
+        self._av = av
+        self._threads = int(threads)
+
+    def decode(self, data: bytes, width: int, height: int, bit_depth: int = 8) -> List[np.ndarray]:
+        av = self._av
+        ctx = av.CodecContext.create("hevc", "r")
+        ctx.thread_count = self._threads
+        # Frame threads as well as slice (WPP) threads: every frame is an IDR picture, so frames
+        # decode side by side (PyAV's default is slice threads only: 1.6x slower at 2 threads).
+        ctx.thread_type = "AUTO"
+        out: List[np.ndarray] = []
+        try:
+            for packet in ctx.parse(data) + ctx.parse(None):
+                out.extend(_luma(f, width, height, bit_depth) for f in ctx.decode(packet))
+            out.extend(_luma(f, width, height, bit_depth) for f in ctx.decode(None))
+        except av.error.FFmpegError as exc:
+            raise CorruptChunk(f"hevc decode failed: {exc}") from None
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+PIX_FMT = {8: "yuv420p", 10: "yuv420p10le"}
+SAMPLE = {8: np.uint8, 10: np.uint16}
+
+
+def _luma(frame, width: int, height: int, bit_depth: int = 8) -> np.ndarray:
+    if frame.width != width or frame.height != height:
+        raise CorruptChunk(f"decoded frame is {frame.width}x{frame.height}, expected {width}x{height}")
+    if frame.format.name != PIX_FMT[bit_depth]:
+        raise CorruptChunk(f"decoded frame is {frame.format.name}, expected {PIX_FMT[bit_depth]}")
+    plane = frame.planes[0]
+    dtype = np.dtype(SAMPLE[bit_depth])
+    rows = np.frombuffer(plane, dtype=dtype).reshape(height, plane.line_size // dtype.itemsize)
+    return rows[:, :width]
+
+
+def make_decoder(name: str, threads: int = 1):
+    """``auto`` picks NVDEC when it can be opened here, else PyAV."""
+    if name == "auto":
+        try:
+            return DECODERS.get("nvdec")()
+        except Unsupported:
+            return DECODERS.get("pyav")(threads=threads)
+    if name == "pyav":
+        return DECODERS.get("pyav")(threads=threads)
+    return DECODERS.get(name)()
+
+
+class Hevc(BitstreamCoder):
+    name = "hevc"
+    RUNTIME_OPTIONS = ("decoder", "threads")
+
+    def __init__(self, lossless: bool = True, qp: int = 0, preset: str = "ultrafast", decoder: str = "pyav",
+                 threads: int = 1, bit_depth: int = 8, tune: str = "") -> None:
+        # Only what shapes the bitstream goes into params (and so into headers and keys); an
+        # 8-bit stream keeps the parameters (and the chunk keys) it had before 10-bit existed.
+        if int(bit_depth) not in PIX_FMT:
+            raise ValueError(f"hevc bit_depth must be 8 or 10, got {bit_depth}")
+        extra = {"bit_depth": 10} if int(bit_depth) == 10 else {}
+        if tune:
+            extra["tune"] = str(tune)
+        super().__init__(lossless=bool(lossless), qp=int(qp), preset=str(preset), **extra)
+        self.bit_depth = int(bit_depth)
+        self._threads = int(threads)
+        self._decoder_name = decoder
+        self._decoder = None
+
+    @property
+    def lossless(self) -> bool:
+        return self.params["lossless"]
+
+    @property
+    def decoder(self):
+        if self._decoder is None:
+            self._decoder = make_decoder(self._decoder_name, self._threads)
+        return self._decoder
+
+    def x265_params(self) -> str:
+        parts = ["log-level=error", "keyint=600", "min-keyint=600", "scenecut=0", "forced-idr=1", "bframes=0",
+                 "repeat-headers=1"]
+        parts.append("lossless=1" if self.params["lossless"] else f"qp={self.params['qp']}")
+        if self.params.get("tune") == "mse":  # no psycho-visual tuning: these planes are data
+            parts += ["psy-rd=0", "psy-rdoq=0", "aq-mode=0", "cutree=0"]
+        return ":".join(parts)
+
+    def encode(self, planes: np.ndarray) -> bytes:
+        import av
+
+        frames, height, width = planes.shape
+        if height % 8 or width % 8:
+            raise ValueError(f"hevc planes must be multiples of 8 in size, got {width}x{height}")
+        dtype = SAMPLE[self.bit_depth]
+        if planes.dtype != dtype:
+            raise ValueError(f"{self.bit_depth}-bit hevc planes must be {np.dtype(dtype).name}, got {planes.dtype}")
+        ctx = av.CodecContext.create("libx265", "w")
+        ctx.width, ctx.height = width, height
+        ctx.pix_fmt = PIX_FMT[self.bit_depth]
+        ctx.time_base = Fraction(1, 30)
+        ctx.framerate = Fraction(30, 1)
+        ctx.thread_count = self._threads
+        ctx.options = {"preset": self.params["preset"], "x265-params": self.x265_params()}
+        buf = np.full((height * 3 // 2, width), 1 << (self.bit_depth - 1), dtype=dtype)
+        packets = []
+        for i in range(frames):
+            buf[:height] = planes[i]
+            frame = av.VideoFrame.from_ndarray(buf, format=PIX_FMT[self.bit_depth])
+            frame.pts = i
+            frame.pict_type = av.video.frame.PictureType.I  # an IDR picture (forced-idr=1)
+            packets.extend(ctx.encode(frame))
+        packets.extend(ctx.encode(None))
+        return b"".join(bytes(p) for p in packets)
+
+    def decode(self, data: bytes, shape: Tuple[int, int, int]) -> np.ndarray:
+        frames, height, width = shape
+        out = self.decoder.decode(data, width, height, self.bit_depth)
+        if len(out) != frames:
+            raise CorruptChunk(f"hevc stream held {len(out)} frames, expected {frames}")
+        return np.stack(out)
+
+    def close(self) -> None:
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None

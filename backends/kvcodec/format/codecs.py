@@ -1,0 +1,108 @@
+"""Named KV codecs ("schemes"): a layout plus a bitstream codec with its settings.
+
+These are the names users pass as ``--codec``. A scheme's ``identity`` names everything that
+shapes the stored bytes (scheme, layout and their versions, codec settings); it is bound into
+every chunk key and header, so changing any of it makes old chunks misses, never wrong reads.
+
+- ``lossless8``: per-channel 8-bit quantization, HEVC lossless (the 8-bit values come back
+  bit-exactly, through NVDEC or software);
+- ``video``: the KVCodec video rung: the ``transform-zstd`` coefficients (below) as 10-bit luma,
+  the tokens of each chunk chained nearest-neighbour first, lossy HEVC Main10 intra at a
+  constant QP (``quality`` sets the QP), x265 ``medium`` without psycho-visual tuning;
+- ``video-q8``: the 8-bit per-channel layout of ``lossless8``, lossy HEVC at a constant QP (the
+  naive layout, kept as the baseline the layout research started from);
+- ``int8-zstd``: the same 8-bit layout, zstd instead of video;
+- ``raw``: float16 bytes, no compression (the first baseline);
+- ``nlevel-zstd``: per-channel N-level quantization + zstd (``quality`` = N levels);
+- ``transform-zstd``: keys before RoPE and values projected on the model's PCA basis (shipped in
+  its codec profile), one uniform step per (layer, K|V), zstd (``quality`` = the step, in
+  thousandths of the layer's RMS: lower is finer; the default 160 is the coarsest measured step
+  that passes the quality gate on the eval set, ``perf/results/rd.json``);
+- ``cachegen``: CacheGen-style per-token max-abs quantization with LMCache's per-layer bins, ANS
+  entropy coding with per-(layer, channel) distributions (``quality`` = bins of the first layers).
+
+Layout parameters (``layout_params``), where a scheme has them, are part of the identity too.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    layout: str
+    codec: str
+    codec_params: Dict[str, Any] = field(default_factory=dict)
+    version: int = 1
+    quality_param: Optional[str] = None  # the codec parameter that ``quality`` sets, if any
+    layout_params: Dict[str, Any] = field(default_factory=dict)
+    quality_in: str = "codec"  # "layout": ``quality`` sets a layout parameter instead
+    baseline_only: bool = False  # measured against, not stored by default (not in the identity)
+
+    @property
+    def needs_profile(self) -> bool:
+        """Whether the layout projects on a per-model codec profile (the model card names it)."""
+        return self.layout in PROFILE_LAYOUTS
+
+    def with_profile(self, profile: Optional[str]) -> "Scheme":
+        """This scheme bound to the model's codec profile (itself if its layout needs none).
+
+        The profile is a layout parameter, so it is part of the identity, the keys and the header."""
+        if not self.needs_profile or profile is None:
+            return self
+        return replace(self, layout_params=dict(self.layout_params, profile=str(profile)))
+
+    @property
+    def identity(self) -> str:
+        params = json.dumps(self.codec_params, sort_keys=True, separators=(",", ":"))
+        layout = self.layout
+        if self.layout_params:
+            layout += json.dumps(self.layout_params, sort_keys=True, separators=(",", ":"))
+        return f"{self.name}/v{self.version}/{layout}/{self.codec}{params}"
+
+
+PROFILE_LAYOUTS = frozenset({"pca", "pca10"})
+
+SCHEMES: Dict[str, Scheme] = {
+    "lossless8": Scheme("lossless8", layout="q8", codec="hevc", codec_params={"lossless": True, "qp": 0, "preset": "ultrafast"},
+                        version=2),
+    "video": Scheme("video", layout="pca10", codec="hevc",
+                    codec_params={"lossless": False, "qp": 7, "preset": "medium", "bit_depth": 10, "tune": "mse"},
+                    layout_params={"step": 40, "kv_balance": 2, "reorder": 1},
+                    quality_param="qp", version=3),
+    "video-q8": Scheme("video-q8", layout="q8", codec="hevc",
+                       codec_params={"lossless": False, "qp": 8, "preset": "ultrafast"}, quality_param="qp", version=2,
+                       baseline_only=True),
+    "int8-zstd": Scheme("int8-zstd", layout="q8", codec="zstd", codec_params={"level": 3}, quality_param="level"),
+    "raw": Scheme("raw", layout="fp16", codec="identity"),
+    "nlevel-zstd": Scheme("nlevel-zstd", layout="qn", codec="zstd", codec_params={"level": 19},
+                          layout_params={"levels": 32}, quality_param="levels", quality_in="layout"),
+    "transform-zstd": Scheme("transform-zstd", layout="pca", codec="zstd", codec_params={"level": 19},
+                             layout_params={"step": 160, "kv_balance": 2},
+                             quality_param="step",
+                             quality_in="layout"),
+    "cachegen": Scheme("cachegen", layout="cg", codec="ans", layout_params={"bins": 32}, quality_param="bins",
+                       quality_in="layout"),
+}
+
+
+
+def get_scheme(name: str, quality: Optional[int] = None, profile: Optional[str] = None) -> Scheme:
+    """The scheme called ``name``, with its quality parameter set to ``quality`` if given, bound to
+    the codec ``profile`` of the model (from its engine's model card) if its layout needs one."""
+    if name not in SCHEMES:
+        raise ConfigError(f"codec {name!r} is unknown (known: {', '.join(sorted(SCHEMES))})")
+    scheme = SCHEMES[name].with_profile(profile)
+    if quality is None:
+        return scheme
+    if scheme.quality_param is None:
+        raise ConfigError(f"codec {name!r} has no quality setting (got quality={quality})")
+    if scheme.quality_in == "layout":
+        return replace(scheme, layout_params=dict(scheme.layout_params, **{scheme.quality_param: int(quality)}))
+    params = dict(scheme.codec_params, **{scheme.quality_param: int(quality)})
+    return replace(scheme, codec_params=params)

@@ -1,0 +1,125 @@
+"""Step ``kv_decode``: chunk bytes -> verified, typed planes and the restore descriptor.
+
+``ChunkDecoder.decode(data, key)`` parses the container (zero-copy: sections are views of
+``data``), checks model and key, reads the header once into a ``ChunkHeader``, decodes the
+payload with the scheme's bitstream coder (one coder object per scheme, made on first use) and
+checks the planes against the digest taken at ingest (hashed from the array's buffer). It raises
+``CorruptChunk`` (checksum, header, bitstream, digest) or ``ForeignChunk`` (another model, key, or
+a codec identity this build does not read).
+
+``DecodeStep.run(info, data)`` is the step's whole job: it never raises for a bad chunk; it marks
+the ``ChunkInfo`` failed (a miss from that chunk on) and returns empty planes.
+
+The contract with ``kv_restore`` is ``Decoded``: planes as ``uint8`` or ``uint16``
+``[frames, height, width]`` (their real dtype and shape), the checked ``ChunkHeader`` and the
+side sections (small: scales, steps, token order). Nothing is re-serialized or re-verified.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from ..bitstream import BitstreamCoder
+from ..encode import PAYLOAD, make_coder, planes_digest
+from ..errors import ChunkError, CorruptChunk, ForeignChunk, KVCodecError
+from ..format import container
+from ..format.codecs import SCHEMES
+from ..format.header import ChunkHeader
+from .chunkinfo import ChunkInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Decoded:
+    header: Optional[ChunkHeader]  # None for a failed or empty chunk
+    planes: np.ndarray  # uint8 or uint16 [frames, height, width]
+    side: Dict[str, bytes] = field(default_factory=dict)  # the chunk's sections but the payload
+
+    @classmethod
+    def empty(cls) -> "Decoded":
+        return cls(None, np.zeros((0, 0, 0), np.uint8), {})
+
+
+def status_of(exc: Exception) -> str:
+    return "foreign" if isinstance(exc, ForeignChunk) else "corrupt" if isinstance(exc, ChunkError) else "error"
+
+
+class ChunkDecoder:
+    """Decodes chunks of any registered scheme; one coder object per scheme, made on first use."""
+
+    def __init__(self, model_id: str, decoder: str = "pyav", threads: int = 1) -> None:
+        self.model_id = model_id
+        self._runtime = {"decoder": decoder, "threads": threads}
+        self._codecs: Dict[str, BitstreamCoder] = {}
+
+    def _codec_for(self, header: ChunkHeader) -> BitstreamCoder:
+        identity = header.scheme_id
+        if identity not in self._codecs:
+            base = SCHEMES.get(header.scheme)
+            if base is None:
+                raise ForeignChunk(f"chunk codec {identity!r} is not one this build reads")
+            scheme = replace(base, codec_params=header.codec_params, layout_params=header.layout_params)
+            if scheme.identity != identity:
+                raise ForeignChunk(f"chunk codec {identity!r} is not one this build reads")
+            try:
+                self._codecs[identity] = make_coder(scheme, **self._runtime)
+            except TypeError as exc:
+                raise ForeignChunk(f"chunk codec settings {header.codec_params!r} not understood: {exc}") from None
+        return self._codecs[identity]
+
+    def decode(self, data: Any, key: Optional[str] = None) -> Decoded:
+        chunk = container.parse(data)
+        chunk.expect(model_id=self.model_id)
+        if key is not None:
+            chunk.expect(key=key)
+        for name in ("scheme_id", "codec_params"):  # a codec this build cannot name is foreign, not corrupt
+            if not isinstance(chunk.header.get(name), (str if name == "scheme_id" else dict)):
+                raise ForeignChunk(f"chunk codec {chunk.header.get('scheme_id')!r} is not one this build reads")
+        if PAYLOAD not in chunk.sections:
+            raise CorruptChunk("chunk has no payload")
+        header = ChunkHeader.from_dict(chunk.header)
+        planes = self._codec_for(header).decode(chunk.sections[PAYLOAD], header.planes_shape)
+        if planes.dtype != header.planes_dtype or planes.shape != header.planes_shape:
+            raise CorruptChunk(f"decoder returned {planes.dtype}{planes.shape}, the header says "
+                               f"{header.planes_dtype}{header.planes_shape}")
+        if planes_digest(planes) != header.planes_digest:
+            raise CorruptChunk("decoded planes do not match the digest taken at ingest")
+        side = {name: bytes(body) for name, body in chunk.sections.items() if name != PAYLOAD}
+        return Decoded(header, planes, side)
+
+    def close(self) -> None:
+        for codec in self._codecs.values():
+            codec.close()
+        self._codecs.clear()
+
+
+class DecodeStep:
+    """Bitstream -> planes. Holds one decoder per codec, made once."""
+
+    def __init__(self, model_id: str, decoder: str = "pyav", threads: int = 1) -> None:
+        self.decoder = ChunkDecoder(model_id, decoder=decoder, threads=threads)
+
+    def run(self, info: ChunkInfo, data: Any) -> Decoded:
+        """``data``: the chunk's bytes (any buffer: bytes, a numpy array). Marks ``info``."""
+        info.t["received"] = time.time()
+        if not info.ok or not len(data):
+            return Decoded.empty()
+        t0 = time.perf_counter()
+        try:
+            out = self.decoder.decode(data, key=info.key or None)
+        except (KVCodecError, ValueError) as exc:
+            if not isinstance(exc, KVCodecError):
+                log.exception("unexpected decode failure")
+            info.fail(status_of(exc), f"decode: {exc}")
+            out = Decoded.empty()
+        info.s["decode"] = time.perf_counter() - t0
+        info.t["decoded"] = time.time()
+        return out
+
+    def close(self) -> None:
+        self.decoder.close()

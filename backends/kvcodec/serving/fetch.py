@@ -1,0 +1,219 @@
+"""Fetch: the longest stored prefix of a prompt, streamed chunk by chunk, rung by rung.
+
+``Fetcher.plan(ids)`` looks up which rungs (schemes of the ladder, best quality first) hold each
+of the prompt's chunks, probing the store concurrently, and keeps each rung's run of stored chunks
+from the start (at least one prompt token is always left to compute).
+
+``Fetcher.fetch(ids, session)`` yields ``(ChunkInfo, bytes)`` for each planned chunk as it
+arrives (the caller sends each on at once, so chunk i is decoded while chunk i+1 is on the wire);
+it yields one ``count == 0`` record when there is nothing to reuse. Two policies:
+
+- static (``adaptive=False``, or a request that names its codecs): the preferred rung with the
+  longest run, for every chunk;
+- adaptive: per chunk, the rung whose slowest stage (transfer at the measured link rate, decode
+  and restore at this machine's measured cost, see ``kvcodec.serving.costs``) is quickest; with a
+  deadline, the best-quality rung that still meets it. A rung that misses falls back to the next
+  one for that chunk. Before each chunk it compares fetching the rest with recomputing it and
+  stops (status ``recompute``) when recomputing is faster, as CacheGen does. Each choice is
+  written into the chunk's ``ChunkInfo.choice``.
+
+A store error mid-way becomes a failed chunk (a miss from there on), never an exception.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .chunkinfo import ChunkInfo
+from .costs import CostModel
+from ..errors import KVCodecError
+from ..format.keys import chunk_keys, reusable_chunks
+from ..format.ladder import parse_ladder, rung_name
+from ..format.codecs import Scheme
+from ..store import KVStore
+
+PROBE_THREADS = 16
+
+
+@dataclass
+class Plan:
+    runs: List[Tuple[Scheme, List[str]]]  # per rung, in ladder order: the keys of its stored run
+
+    @property
+    def n_chunks(self) -> int:
+        return max((len(keys) for _, keys in self.runs), default=0)
+
+    @property
+    def scheme(self) -> Scheme:
+        """The preferred rung among those with the longest run."""
+        return next(s for s, keys in self.runs if len(keys) == self.n_chunks)
+
+    @property
+    def keys(self) -> List[str]:
+        return next(keys for _, keys in self.runs if len(keys) == self.n_chunks)
+
+    def candidates(self, index: int) -> List[Tuple[Scheme, str]]:
+        return [(s, keys[index]) for s, keys in self.runs if len(keys) > index]
+
+
+@dataclass
+class Estimate:
+    scheme: Scheme
+    key: str
+    fetch_s: float
+    decode_s: float
+    restore_s: float
+
+    @property
+    def stage_s(self) -> float:
+        return max(self.fetch_s, self.decode_s, self.restore_s)
+
+    def describe(self) -> str:
+        return (f"{rung_name(self.scheme)} {self.stage_s:.3f}s (fetch {self.fetch_s:.3f}, "
+                f"decode {self.decode_s:.3f}, restore {self.restore_s:.3f})")
+
+
+class Fetcher:
+    def __init__(self, store: KVStore, model_id: str, codecs: Sequence[str], chunk_tokens: int,
+                 costs: Optional[CostModel] = None, adaptive: bool = False, deadline_s: float = 0.0,
+                 profile: Optional[str] = None) -> None:
+        self.store = store
+        self.model_id = model_id
+        self.profile = profile  # the model's codec profile (from its engine's model card)
+        self.schemes = parse_ladder(list(codecs), profile)
+        self.chunk_tokens = chunk_tokens
+        self.costs = costs or CostModel()
+        self.adaptive = adaptive
+        self.deadline_s = deadline_s
+        self._pool = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="kv-probe")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    # -- plan --------------------------------------------------------------------------------
+    def plan(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None) -> Plan | None:
+        limit = reusable_chunks(len(ids), self.chunk_tokens)
+        schemes = list(schemes or self.schemes)
+        all_keys = [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit) for s in schemes]
+        flat = [k for keys in all_keys for k in keys]
+        present = dict(zip(flat, self._pool.map(self.store.exists, flat))) if flat else {}
+        runs = []
+        for scheme, keys in zip(schemes, all_keys):
+            n = 0
+            while n < len(keys) and present[keys[n]]:
+                n += 1
+            runs.append((scheme, keys[:n]))
+        plan = Plan(runs)
+        return plan if plan.n_chunks else None
+
+    # -- choice ------------------------------------------------------------------------------
+    def estimates(self, plan: Plan, index: int) -> List[Estimate]:
+        self.costs.reload()
+        out = []
+        for scheme, key in plan.candidates(index):
+            c = self.costs.rung(scheme.identity)
+            t = self.chunk_tokens
+            out.append(Estimate(scheme, key, self.costs.transfer_s(self.store.url, c.bytes_per_token * t),
+                                c.decode_s_per_token * t, c.restore_s_per_token * t))
+        return out
+
+    def _rank(self, estimates: List[Estimate], remaining: int, budget_s: Optional[float]) -> List[Estimate]:
+        fastest = sorted(estimates, key=lambda e: e.stage_s)  # stable: ties keep ladder (quality) order
+        if budget_s is None:
+            return fastest
+        fits = [e for e in estimates if e.stage_s * remaining <= budget_s]
+        return fits + [e for e in fastest if e not in fits] if fits else fastest
+
+    def _recompute_reason(self, plan: Plan, index: int) -> str:
+        """Why the chunks from ``index`` on are better recomputed, or '' if fetching them is faster."""
+        remaining = plan.n_chunks - index
+        # A chunk's estimates depend only on which rungs hold it: one estimate per set of rungs,
+        # not one per remaining chunk (which made each request quadratic in its chunks).
+        best: Dict[Tuple[str, ...], Estimate] = {}
+        per_chunk: List[Estimate] = []
+        for j in range(index, plan.n_chunks):
+            rungs = tuple(scheme.identity for scheme, _ in plan.candidates(j))
+            if rungs not in best:
+                best[rungs] = min(self.estimates(plan, j), key=lambda e: e.stage_s)
+            per_chunk.append(best[rungs])
+        last = per_chunk[-1]
+        fetch_s = sum(e.stage_s for e in per_chunk) + last.decode_s + last.restore_s  # the pipeline drains
+        compute_s = self.costs.prefill_s_per_token * remaining * self.chunk_tokens
+        if fetch_s <= compute_s:
+            return ""
+        return (f"recompute: fetching the last {remaining} chunk(s) would take ~{fetch_s:.2f}s, "
+                f"computing them ~{compute_s:.2f}s")
+
+    # -- fetch -------------------------------------------------------------------------------
+    def fetch(self, ids: Sequence[int], session: str, reuse: bool = True,
+              codecs: Optional[Sequence[str]] = None) -> Iterator[Tuple[ChunkInfo, bytes]]:
+        """``codecs``: rung specs for this request only (a static choice among them)."""
+        t_request = time.time()
+        adaptive = self.adaptive and not codecs
+        try:
+            schemes = parse_ladder(list(codecs), self.profile) if codecs else None
+            plan = self.plan(ids, schemes) if reuse else None
+            reason = "" if reuse else "reuse disabled by the request"
+        except KVCodecError as exc:
+            plan, reason = None, f"store lookup failed: {exc}"
+        if plan is None:
+            info = ChunkInfo(session, 0, 0, status="none", reason=reason or "no stored prefix")
+            info.t.update(request=t_request, sent=time.time())
+            yield info, b""
+            return
+        n = plan.n_chunks
+        failed = False
+        for i in range(n):
+            info = ChunkInfo(session, i, n, token_start=i * self.chunk_tokens, tokens=self.chunk_tokens)
+            info.t["request"] = t_request
+            info.t["fetch_start"] = time.time()
+            data = b""
+            if failed:
+                info.fail("miss", "an earlier chunk failed")
+            elif adaptive and (why := self._recompute_reason(plan, i)):
+                info.fail("recompute", why)
+            else:
+                data = self._fetch_chunk(info, plan, i, adaptive, t_request)
+            failed = not info.ok
+            info.t["sent"] = time.time()
+            yield info, data
+
+    def _fetch_chunk(self, info: ChunkInfo, plan: Plan, i: int, adaptive: bool, t_request: float) -> bytes:
+        if adaptive:
+            estimates = self.estimates(plan, i)
+            budget = self.deadline_s - (time.time() - t_request) if self.deadline_s > 0 else None
+            ranked = self._rank(estimates, plan.n_chunks - i, budget)
+            tries = [(e.scheme, e.key) for e in ranked]
+            info.choice = "; ".join(e.describe() for e in ranked)
+        else:
+            tries = [(plan.scheme, plan.keys[i])]
+        data = b""
+        errors: List[str] = []
+        t0 = time.perf_counter()
+        for scheme, key in tries:
+            info.scheme, info.scheme_id, info.key = scheme.name, scheme.identity, key
+            t_get = time.perf_counter()
+            try:
+                data = self.store.get(key) or b""
+            except KVCodecError as exc:
+                errors.append(f"error: store: {exc}")
+                continue
+            seconds = time.perf_counter() - t_get
+            if data:
+                self._observe(len(data), seconds)
+                break
+            errors.append("miss: chunk vanished from the store")
+        info.s["fetch"] = time.perf_counter() - t0
+        info.bytes = len(data)
+        if not data:
+            status, _, reason = errors[-1].partition(": ")
+            info.fail(status, reason if len(errors) == 1 else f"{reason} (tried {len(errors)} rungs)")
+        return data
+
+    def _observe(self, nbytes: int, seconds: float) -> None:
+        try:
+            self.costs.observe_transfer(self.store.url, nbytes, seconds)
+        except OSError:
+            pass  # a cost file we cannot write only makes estimates staler

@@ -1,0 +1,130 @@
+"""Step ``kv_restore``: typed planes -> float16 KV ``[layers, 2, kv_heads, tokens, head_dim]``.
+
+``restore(decoded)`` makes (once per layout and settings, cached) the chunk's layout and runs its
+``from_planes``. The planes must have the dtype and shape the header names; the header must name
+a layout and version this build reads (else ``ForeignChunk``).
+
+Over Triton a ``Decoded`` travels as typed planes, the side sections packed into one byte tensor
+(``pack_side`` / ``unpack_side``), and the header as JSON (``descriptor`` / ``from_descriptor``).
+
+``RestoreStep.run(info, decoded)`` never raises for a bad chunk: it marks ``info`` failed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from ..errors import CorruptChunk, ForeignChunk, KVCodecError, Unsupported
+from ..format.header import ChunkHeader
+from ..layout import Layout, get_layout
+from .chunkinfo import ChunkInfo
+from .decode import Decoded, status_of
+
+EMPTY_KV = np.zeros((0, 2, 0, 0, 0), dtype=np.float16)
+_LAYOUTS: Dict[str, Layout] = {}
+
+
+def _layout(header: ChunkHeader) -> Layout:
+    cache_key = header.layout + json.dumps(header.layout_params, sort_keys=True)
+    layout = _LAYOUTS.get(cache_key)
+    if layout is None:
+        try:
+            layout = get_layout(header.layout, **header.layout_params)
+        except Unsupported:
+            raise ForeignChunk(f"chunk layout {header.layout!r} is not one this build reads") from None
+        except (TypeError, ValueError) as exc:
+            raise ForeignChunk(f"chunk layout {header.layout} settings {header.layout_params!r} not understood: "
+                               f"{exc}") from None
+        _LAYOUTS[cache_key] = layout
+    if header.layout_version != layout.version:
+        raise ForeignChunk(f"chunk layout {header.layout} v{header.layout_version}, this build reads v{layout.version}")
+    return layout
+
+
+def restore(decoded: Decoded) -> np.ndarray:
+    """Float16 KV ``[layers, 2, kv_heads, tokens, head_dim]`` of a decoded chunk."""
+    header, planes = decoded.header, decoded.planes
+    if header is None:
+        raise CorruptChunk("no chunk header to restore with")
+    layout = _layout(header)
+    if planes.dtype != header.planes_dtype or tuple(planes.shape) != header.planes_shape:
+        raise CorruptChunk(f"planes are {planes.dtype}{list(planes.shape)}, the header's shape is "
+                           f"{header.planes_dtype}{list(header.planes_shape)}")
+    if layout.needs_positions:
+        return layout.from_planes(planes, decoded.side, header.geometry, token_start=header.token_start)
+    return layout.from_planes(planes, decoded.side, header.geometry)
+
+
+# -- the wire form between the kv_decode and kv_restore steps --------------------------------------
+def pack_side(side: Dict[str, bytes]) -> Tuple[List[Tuple[str, int]], np.ndarray]:
+    """The side sections as (name, length) pairs and one uint8 array."""
+    index = [(name, len(body)) for name, body in side.items()]
+    data = np.frombuffer(b"".join(side.values()), dtype=np.uint8) if side else np.zeros(0, np.uint8)
+    return index, data
+
+
+def unpack_side(index: Any, data: np.ndarray) -> Dict[str, bytes]:
+    try:
+        pairs = [(str(name), int(length)) for name, length in index]
+    except (TypeError, ValueError):
+        raise CorruptChunk(f"bad side index in restore descriptor: {index!r}") from None
+    if any(n < 0 for _, n in pairs) or sum(n for _, n in pairs) != data.size:
+        raise CorruptChunk("side sections do not add up to the side data")
+    out, offset, raw = {}, 0, data.tobytes()
+    for name, n in pairs:
+        out[name] = raw[offset:offset + n]
+        offset += n
+    return out
+
+
+def descriptor(decoded: Decoded) -> Tuple[str, np.ndarray]:
+    """(header JSON with the side index, side bytes): what kv_decode sends besides the planes."""
+    if decoded.header is None:
+        return "", np.zeros(0, np.uint8)
+    index, data = pack_side(decoded.side)
+    return json.dumps({"header": decoded.header.to_dict(), "side": index}, separators=(",", ":")), data
+
+
+def from_descriptor(text: Any, side: np.ndarray, planes: np.ndarray) -> Decoded:
+    """The ``Decoded`` that ``descriptor`` described (an empty text: an empty chunk)."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).decode("utf-8", "replace")
+    if not text:
+        return Decoded.empty()
+    try:
+        d = json.loads(text)
+        header, index = d["header"], d["side"]
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CorruptChunk(f"restore descriptor unreadable: {exc}") from None
+    return Decoded(ChunkHeader.from_dict(header), planes, unpack_side(index, side))
+
+
+class RestoreStep:
+    """Planes -> float16 KV ``[layers, 2, kv_heads, tokens, head_dim]``."""
+
+    def run_described(self, info: ChunkInfo, text: Any, side: np.ndarray, planes: np.ndarray) -> np.ndarray:
+        """``run`` on the wire form that kv_decode sent (a bad descriptor marks the chunk failed)."""
+        try:
+            decoded = from_descriptor(text, side, planes)
+        except (KVCodecError, ValueError) as exc:
+            info.fail(status_of(exc), f"restore: {exc}")
+            decoded = Decoded.empty()
+        return self.run(info, decoded)
+
+    def run(self, info: ChunkInfo, decoded: Decoded) -> np.ndarray:
+        if not info.ok or decoded.header is None:
+            return EMPTY_KV
+        t0 = time.perf_counter()
+        try:
+            kv = restore(decoded)
+            if kv.shape[3] != info.tokens:
+                raise ForeignChunk(f"chunk holds {kv.shape[3]} tokens, expected {info.tokens}")
+        except (KVCodecError, ValueError) as exc:
+            info.fail(status_of(exc), f"restore: {exc}")
+            kv = EMPTY_KV
+        info.s["restore"] = time.perf_counter() - t0
+        info.t["restored"] = time.time()
+        return kv

@@ -1,0 +1,6 @@
+"""``python -m perf.shaping`` (``perf/link``): up | down | run -- CMD | check | proxy."""
+import sys
+
+from . import main
+
+sys.exit(main())
