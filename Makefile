@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvcodec-installed
 
-.PHONY: setup demo test unit integration bench clean
+.PHONY: setup demo test unit integration bench lint clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
@@ -23,6 +23,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# ruff: pyflakes, import order and bugbear on everything (.ci/run runs it before the tests).
+lint: setup
+	$(BIN)/ruff check .
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
@@ -46,6 +50,12 @@ eval: setup
 .PHONY: perf
 perf: setup
 	$(BIN)/python perf/run_perf.py --bandwidth-mbps 100,1000,10000
+
+# Per-chunk time of kv_decode -> kv_restore -> llm's gather on real KV, against the run before the
+# request-path restructure (perf/results/chunk_path_before.json): perf/results/chunk_path.json.
+.PHONY: chunkbench
+chunkbench: setup
+	$(BIN)/python -m perf.chunkbench --json perf/results/chunk_path.json --before perf/results/chunk_path_before.json
 
 clean:
 	rm -rf $(VENV) .cache

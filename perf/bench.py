@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sysconfig
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,8 +28,10 @@ from typing import Dict, List, Optional, Sequence
 
 from kvcodec.format import ladder as ladder_defaults
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-# Context sources: real code, concatenated until the context is long enough.
+from .stats import percentile
+from .texts import stdlib_text
+
+# Context sources: real standard-library code, concatenated until the context is long enough.
 SOURCES = ["json/decoder.py", "json/encoder.py", "csv.py", "textwrap.py", "shlex.py", "heapq.py",
            "bisect.py", "queue.py", "sched.py", "fnmatch.py", "glob.py", "string.py", "calendar.py"]
 QUESTION = "\n\n# Question: which function above is the longest?\n# Answer:"
@@ -67,7 +68,7 @@ def context_ids(tokenizer, tokens: int) -> List[int]:
     """The first ``tokens`` token ids of real standard-library code."""
     ids: List[int] = []
     for name in SOURCES * 4:
-        ids += tokenizer.encode((STDLIB / name).read_text(encoding="utf-8"))
+        ids += tokenizer.encode(stdlib_text(name))
         if len(ids) >= tokens:
             return ids[:tokens]
     raise RuntimeError(f"not enough source text for {tokens} tokens")
@@ -82,23 +83,14 @@ def method_rungs(methods: Sequence[str], ladder: str) -> List[str]:
     return out
 
 
-def _p(values: List[float], q: float) -> float:
-    values = sorted(values)
-    if len(values) == 1:
-        return values[0]
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
-
-
 def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, plot_path: Optional[Path]) -> int:
     from tqdm import tqdm
 
     from kvcodec.engines import open_engine
     from kvcodec.format.ladder import parse_ladder
     from kvcodec.ingest import ingest_rungs
-    from perf.tritonserver import Ports, TritonServer
     from kvcodec_client.client import KVCodecClient
+    from perf.tritonserver import Ports, TritonServer
 
     from .ports import free_ports
     from .remote_store import loopback_store, new_store_token, store_behind_link
@@ -110,19 +102,20 @@ def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, 
 
     # 1. Ingest every rung of every context once, over loopback (not through the link).
     engine = open_engine(replace(settings, threads=config.threads))
-    fp16_per_token = engine.geometry(1).fp16_bytes
     prompts: Dict[int, List[int]] = {}
     question = engine.tokenize(QUESTION)
     with loopback_store(work / "nginx", token) as url:
         for n in config.contexts:
             ids = context_ids(engine.tokenizer, n)
             prompts[n] = ids + question
-            with tqdm(total=n // settings.chunk_tokens, unit="chunk", desc=f"ingest {n} tokens x {len(rungs)} rungs") as bar:
+            with tqdm(total=n // settings.chunk_tokens, unit="chunk",
+                      desc=f"ingest {n} tokens x {len(rungs)} rungs") as bar:
                 report = ingest_rungs(settings, engine, ids, rungs, store_url=url, threads=config.threads,
                                       progress=bar.update)
             for name, r in report.rungs.items():
                 if r.written:
-                    print(f"  {name}: {r.ratio_vs_fp16:.2f}x vs fp16, encode {r.encode_s:.1f}s, decode {r.decode_s:.2f}s")
+                    print(f"  {name}: {r.ratio_vs_fp16:.2f}x vs fp16, encode {r.encode_s:.1f}s, "
+                          f"decode {r.decode_s:.2f}s")
     del engine
 
     rows: List[dict] = []
@@ -187,8 +180,8 @@ def _measure(client, method: str, prompt: List[int], config: BenchConfig) -> dic
     return {
         "method": method,
         "rung": codecs or ("ladder" if reuse else ""),
-        "ttft_p50_s": round(_p(ttfts, 0.5), 4),
-        "ttft_p90_s": round(_p(ttfts, 0.9), 4),
+        "ttft_p50_s": round(percentile(ttfts, 50), 4),
+        "ttft_p90_s": round(percentile(ttfts, 90), 4),
         "ttft_s": [round(t, 4) for t in ttfts],
         "bytes_fetched": int(last.get("bytes_fetched", 0)),
         "reused_tokens": results[-1].reused_tokens,
@@ -250,12 +243,12 @@ def plot(rows: List[dict], path: Path) -> None:
 
     contexts = sorted({r["context_tokens"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
-    for ax, n in zip(axes[0], contexts):
+    for ax, n in zip(axes[0], contexts, strict=True):
         for method in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["bandwidth_mbps"], r["ttft_p50_s"]) for r in rows
                          if r["method"] == method and r["context_tokens"] == n)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=method, linewidth=2.5 if method == "kvcodec" else 1.2)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=method, linewidth=2.5 if method == "kvcodec" else 1.2)
         ax.set_xscale("log")
         ax.set_xlabel("link bandwidth (Mbit/s)")
         ax.set_ylabel("TTFT p50 (s)")

@@ -1,7 +1,8 @@
 """``make demo``: KV reuse end to end on this machine, against full prefill.
 
 1. Takes a real text from the Python standard library's source (``json/decoder.py``, cut to
-   just over 1300 tokens), ingests it at ``DEMO_RUNG`` (int8-zstd: the 8-bit values, losslessly, passes the quality gate) into the store;
+   just over 1300 tokens, ``perf.texts``), ingests it at ``DEMO_RUNG`` (int8-zstd: the 8-bit
+   values, losslessly, passes the quality gate) into the store;
 2. starts tritonserver on the model repository;
 3. asks the same prompt (that context plus a question) over gRPC once with full prefill and once
    with KV reuse, 16 tokens each;
@@ -11,11 +12,12 @@
 from __future__ import annotations
 
 import json
-import sysconfig
 import time
 from pathlib import Path
 
-CONTEXT_SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py"
+from .texts import cut_to_tokens, stdlib_path
+
+CONTEXT_SOURCE = stdlib_path("json/decoder.py")
 CONTEXT_TOKENS = 1300
 QUESTION = "\n\n# Question: what does the function scanstring return?\n# Answer:"
 MAX_TOKENS = 16
@@ -25,15 +27,7 @@ DEMO_RUNG = "int8-zstd"
 def demo_texts(tokenizer, target_tokens: int = CONTEXT_TOKENS):
     """(context, prompt): the fewest whole lines of the source holding ``target_tokens`` tokens,
     then the question."""
-    lines = CONTEXT_SOURCE.read_text(encoding="utf-8").splitlines(keepends=True)
-    lo, hi = 1, len(lines)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(tokenizer.encode("".join(lines[:mid]))) >= target_tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    context = "".join(lines[:lo])
+    context = cut_to_tokens(tokenizer, CONTEXT_SOURCE.read_text(encoding="utf-8"), target_tokens)
     return context, context + QUESTION
 
 
@@ -42,8 +36,8 @@ def run_demo(settings, json_path: Path, repository: Path) -> int:
 
     from kvcodec.engines import open_engine
     from kvcodec.ingest import ingest_rungs
-    from perf.tritonserver import TritonServer
     from kvcodec_client.client import KVCodecClient
+    from perf.tritonserver import TritonServer
 
     engine = open_engine(settings)
     context, prompt = demo_texts(engine.tokenizer)

@@ -23,25 +23,14 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from perf.texts import cut_to_tokens
+
 PERF_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PERF_DIR.parent
 INPUTS_DIR = PERF_DIR / "inputs"
 DEFAULT_NAME = "default"
 QUESTION = "\n\n# Question: what does this code do?\n# Answer:"
 MAX_TOKENS = 4
-
-
-def cut_to_tokens(tokenizer, text: str, tokens: int) -> str:
-    """The fewest whole lines of ``text`` holding at least ``tokens`` tokens (all of it if fewer)."""
-    lines = text.splitlines(keepends=True)
-    lo, hi = 1, len(lines)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(tokenizer.encode("".join(lines[:mid]))) >= tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    return "".join(lines[:lo])
 
 
 def input_data(prompt_ids: Sequence[int], max_tokens: int, reuse: bool) -> dict:

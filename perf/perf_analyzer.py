@@ -24,8 +24,9 @@ input data), ttft_p50_s, ttft_p90_s, ttft_mean_s, ttft_min_s, ttft_max_s, reques
 the profile export), reused_tokens (smallest over the requests, from the responses' outputs;
 None if not exported), perf_analyzer_p50_request_s (perf_analyzer's own "p50 latency": although
 it prints "using the first response for measuring latency", 2.51 reports the latency to the
-LAST response here, so it is the whole request, not TTFT), perf_analyzer_args, wall_s. ``run_targets(targets, input_jsons, context_tokens)``
-runs a list of ``Target(label, bandwidth_mbps, grpc_url)`` and ``write_results(rows)`` writes
+LAST response here, so it is the whole request, not TTFT), perf_analyzer_args, wall_s.
+``run_targets(targets, input_jsons, context_tokens)`` runs a list of
+``Target(label, bandwidth_mbps, grpc_url)`` and ``write_results(rows)`` writes
 ``perf/results/perf_analyzer.json`` as ``{"rows": [...], "perf_analyzer_version": "2.51.0"}``.
 
 CLI::
@@ -38,10 +39,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+from perf.procs import Process
+from perf.stats import percentile
 
 PERF_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PERF_DIR.parent
@@ -178,16 +180,6 @@ def ttfts_from_profile(profile: dict) -> Tuple[List[float], List[int]]:
     return ttfts, reused
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("no values")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def summarize(ttfts: Sequence[float]) -> dict:
     return {"ttft_p50_s": round(percentile(ttfts, 50), 4), "ttft_p90_s": round(percentile(ttfts, 90), 4),
             "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4), "ttft_min_s": round(min(ttfts), 4),
@@ -209,17 +201,17 @@ def _tail(text: str, chars: int = 3000) -> str:
     return text[-chars:]
 
 
-def _run(cmd: List[str], env: dict, timeout_s: float) -> Tuple[int, str]:
-    """Run perf_analyzer in its own process group; on timeout, kill that group (by its id)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+def _run(cmd: List[str], env: dict, timeout_s: float, out_path: Path) -> Tuple[int, str]:
+    """Run perf_analyzer in its own process group, its output into ``out_path``; on timeout, stop
+    that group (by its id). Returns the exit code and the output."""
+    proc = Process("perf_analyzer", cmd, out_path, env=env, append=False).start()
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
+        code = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise PerfAnalyzerError(f"perf_analyzer ran past {timeout_s:.0f} s:\n{_tail(out or '')}") from None
-    return proc.returncode, out
+        proc.stop(grace_s=5.0)
+        output = out_path.read_text(errors="replace")
+        raise PerfAnalyzerError(f"perf_analyzer ran past {timeout_s:.0f} s:\n{_tail(output)}") from None
+    return code, out_path.read_text(errors="replace")
 
 
 # --- the entry points --------------------------------------------------------------------------
@@ -248,9 +240,8 @@ def run_perf_analyzer(grpc_url: str, input_json: Union[str, Path], label: str, b
                                   stability_percentage=stability_percentage, max_trials=max_trials)
         log(f"perf_analyzer [{label}, reuse={str(facts['reuse']).lower()}]: {' '.join(args)}")
         t0 = time.perf_counter()
-        code, output = _run([str(binary), *args], env, timeout_s)
+        code, output = _run([str(binary), *args], env, timeout_s, out_dir / f"{stem}.out.txt")
         wall = time.perf_counter() - t0
-        (out_dir / f"{stem}.out.txt").write_text(output)
         check_output(output, code)
         if not profile_path.is_file():
             raise PerfAnalyzerError(f"perf_analyzer wrote no profile export {profile_path}:\n{_tail(output)}")

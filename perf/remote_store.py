@@ -34,8 +34,8 @@ def loopback_store(root: Path, token: str) -> Iterator[str]:
 def store_behind_link(root: Path, token: str, rate_mbps: float, delay_ms: float,
                       mode: str) -> Iterator[Tuple[str, object]]:
     """nginx over the same data behind a link of ``rate_mbps``; yields (URL seen from here, link)."""
-    from perf.shaping import open_link
     from perf.services.nginx import NginxStore
+    from perf.shaping import open_link
 
     with open_link(rate_mbps, delay_ms, mode) as link:
         (port,) = free_ports(1)

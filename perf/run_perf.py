@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -35,15 +34,19 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from perf import make_inputs  # noqa: E402
-from perf.perf_analyzer import (RESULTS_PATH, PerfAnalyzerError, Target, ensure_perf_analyzer,  # noqa: E402
-                                perf_analyzer_version, run_targets, write_results)
-
-KVCODEC = Path(sys.executable).parent / "kvcodec"
-
-
 from perf.bench import DEFAULT_LADDER  # noqa: E402
+from perf.perf_analyzer import (  # noqa: E402
+    RESULTS_PATH,
+    PerfAnalyzerError,
+    Target,
+    ensure_perf_analyzer,
+    perf_analyzer_version,
+    run_targets,
+    write_results,
+)
 from perf.ports import free_ports  # noqa: E402
 from perf.remote_store import loopback_store, new_store_token, store_behind_link  # noqa: E402
+from perf.texts import cut_to_tokens  # noqa: E402
 
 
 def _rates(text: str) -> List[float]:
@@ -147,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokenizer = make_inputs.load_tokenizer(settings.model_cache)
         text = args.text_file.read_text(encoding="utf-8")
         if args.context_tokens:
-            text = make_inputs.cut_to_tokens(tokenizer, text, args.context_tokens)
+            text = cut_to_tokens(tokenizer, text, args.context_tokens)
         name = args.text_file.stem
         make_inputs.make_inputs(tokenizer, text, name, home / "inputs", max_tokens=args.max_tokens,
                                 source=args.text_file.name)
@@ -189,11 +192,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     write_results(rows, args.output, version)
 
     print()
-    print(f"{'label':<10}{'Mbit/s':>8}{'link':>10}{'reuse':>7}{'requests':>10}{'p50 s':>9}{'p90 s':>9}{'mean s':>9}{'reused':>8}")
+    print(f"{'label':<10}{'Mbit/s':>8}{'link':>10}{'reuse':>7}{'requests':>10}{'p50 s':>9}{'p90 s':>9}"
+          f"{'mean s':>9}{'reused':>8}")
     for r in rows:
         mbps = "-" if r["bandwidth_mbps"] is None else f"{r['bandwidth_mbps']:g}"
-        print(f"{r['label']:<10}{mbps:>8}{r['link']:>10}{str(r['reuse']).lower():>7}{r['requests']:>10}{r['ttft_p50_s']:>9.3f}"
-              f"{r['ttft_p90_s']:>9.3f}{r['ttft_mean_s']:>9.3f}{str(r['reused_tokens']):>8}")
+        print(f"{r['label']:<10}{mbps:>8}{r['link']:>10}{str(r['reuse']).lower():>7}{r['requests']:>10}"
+              f"{r['ttft_p50_s']:>9.3f}{r['ttft_p90_s']:>9.3f}{r['ttft_mean_s']:>9.3f}{str(r['reused_tokens']):>8}")
     print(f"\nwrote {args.output} in {time.perf_counter() - t_start:.0f} s")
     bad = [r["label"] for r in rows if r["reuse"] and not (r["reused_tokens"] or 0) > 0]
     if bad:

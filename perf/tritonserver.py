@@ -6,17 +6,15 @@ backend plus the stub for this Python), sets ``LD_LIBRARY_PATH`` (the wheel's bu
 and this interpreter's ``libpython``), puts this venv's ``bin/`` first on ``PATH`` (the stub finds
 its interpreter through it), passes the ``KVCODEC_*`` settings through the environment, waits
 until the server is ready and every model is loaded, and raises with the log's tail if it is not.
-``stop()`` sends SIGTERM to the server, then SIGKILL to its process group after a grace period.
+The server is a ``perf.procs.Process`` (its own session): ``stop()`` sends SIGTERM to the server,
+then SIGKILL to its process group after a grace period, and waits until nothing of the group is left.
 """
 from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import sysconfig
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from typing import Optional
 
 from kvcodec.errors import Unsupported
 from kvcodec.settings import Settings
+from perf.procs import Process
 
 MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
 
@@ -70,8 +69,12 @@ class TritonServer:
         self.settings = settings
         self.ports = ports
         self.host = host
-        self.log_path = log_path or settings.home / "logs" / "tritonserver.log"
-        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = Path(log_path) if log_path else settings.home / "logs" / "tritonserver.log"
+        self.process: Optional[Process] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process else None
 
     @property
     def http_url(self) -> str:
@@ -109,20 +112,12 @@ class TritonServer:
         return env
 
     def start(self, timeout_s: float = 180.0) -> "TritonServer":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            if self.ready():
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        """Start the server (its log truncated) and wait until it and every model are ready:
+        ``ServiceError`` (a RuntimeError) if it exits first, ``NotReady`` (a TimeoutError; the server
+        is stopped) after ``timeout_s``, each with the log's tail."""
+        self.process = Process("tritonserver", self.command(), self.log_path, env=self.environment(), append=False)
+        self.process.start().wait_ready(self.ready, timeout_s, [self.log_path], poll_s=0.5)
+        return self
 
     def ready(self) -> bool:
         try:
@@ -137,37 +132,20 @@ class TritonServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
 
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def terminate(self) -> None:
         """Ask the server to stop (SIGTERM) without waiting: safe inside a signal handler."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        if self.process is not None:
+            self.process.terminate()
 
     def wait(self) -> int:
-        return self.proc.wait() if self.proc else 0
+        return self.process.wait() if self.process else 0
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to the server (it stops its model stubs), SIGKILL to its process group after
-        ``grace_s``, and SIGKILL to any straggler of the group once it has exited."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
+        ``grace_s``; returns once nothing of the group is left."""
+        process, self.process = self.process, None
+        if process is not None:
+            process.stop(grace_s)
 
     def __enter__(self) -> "TritonServer":
         return self.start()

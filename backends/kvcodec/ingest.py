@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .encode import ChunkEncoder
-from .serving.costs import CostModel
+from .format.codecs import Scheme
 from .format.keys import chunk_keys
 from .format.ladder import rung_name
-from .format.codecs import Scheme
+from .serving.costs import CostModel
 from .store import KVStore
 
 

@@ -11,13 +11,16 @@ name the field and the value.
 | store         | KVCODEC_STORE          | ``file://<home>/store``                 |
 | model_cache   | KVCODEC_MODEL_CACHE    | ``<home>/models``                       |
 | engine        | KVCODEC_ENGINE         | ``transformers`` (``kvcodec.engines.ENGINES``)  |
-| ladder        | KVCODEC_LADDER         | ``transform-zstd,video,int8-zstd,raw``: rungs that pass the quality gate, in preference order (``KVCODEC_CODECS``, its old name, is still read) |
+| ladder        | KVCODEC_LADDER         | ``transform-zstd,video,int8-zstd,raw`` (1)      |
 | chunk_tokens  | KVCODEC_CHUNK_TOKENS   | 256                                     |
 | threads       | KVCODEC_THREADS        | 0 (torch's default)                     |
 | decoder       | KVCODEC_DECODER        | ``pyav`` (``nvdec``, ``auto``)          |
 | adaptive      | KVCODEC_ADAPTIVE       | 1: choose a rung per chunk, recompute when faster (0: first stored rung) |
 | link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
+
+(1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
+name, is still read from the environment.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def _read_text(path: str) -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"kvcodec: cannot read --text-file {path}: {exc}")
+        raise SystemExit(f"kvcodec: cannot read --text-file {path}: {exc}") from None
     if not text.strip():
         raise SystemExit(f"kvcodec: --text-file {path} is empty")
     return text
@@ -84,21 +84,16 @@ def cmd_ingest(args) -> int:
     from tqdm import tqdm
 
     from kvcodec.engines import model_card, open_engine
-    from kvcodec.format.codecs import get_scheme
     from kvcodec.format.ladder import parse_ladder
-    from kvcodec.ingest import ingest
-    from kvcodec.serving.costs import for_settings
-    from kvcodec.store import open_store
+    from kvcodec.ingest import ingest_rungs
 
     settings = _settings(args)
-    profile = model_card(settings).codec_profile
     codec = args.codec or ",".join(settings.ladder)  # default: the rungs the server fetches from
     if args.quality is not None:
         if "," in codec:
             raise SystemExit("kvcodec ingest: --quality takes one --codec; name rungs as NAME:QUALITY instead")
-        schemes = [get_scheme(codec, args.quality, profile=profile)]
-    else:
-        schemes = parse_ladder(codec, profile)
+        codec = f"{codec}:{args.quality}"
+    schemes = parse_ladder(codec, model_card(settings).codec_profile)  # bad names fail before the model loads
     text = _read_text(args.text_file)
     engine = open_engine(settings)
     ids = engine.tokenize(text)
@@ -107,11 +102,8 @@ def cmd_ingest(args) -> int:
         print(f"kvcodec ingest: {len(ids)} tokens is less than one chunk ({settings.chunk_tokens}); nothing stored",
               file=sys.stderr)
         return 1
-    costs = for_settings(settings, engine.geometry(1).fp16_bytes)
-    with open_store(settings.store) as store, tqdm(total=n_chunks, unit="chunk", desc="ingest",
-                                                   disable=args.quiet) as bar:
-        report = ingest(engine, store, ids, schemes, settings.chunk_tokens, threads=max(1, settings.threads),
-                        progress=bar.update, costs=costs)
+    with tqdm(total=n_chunks, unit="chunk", desc="ingest", disable=args.quiet) as bar:
+        report = ingest_rungs(settings, engine, ids, codec, progress=bar.update)
     summary = {"tokens": report.tokens, "chunks": report.chunks, "written": report.written,
                "bytes_written": report.bytes_written, "ratio_vs_fp16": round(report.ratio_vs_fp16, 3),
                "prefill_s": round(report.prefill_s, 3), "encode_s": round(report.encode_s, 3),
@@ -183,28 +175,9 @@ def cmd_rd(args) -> int:
 
 
 def cmd_profile_fit(args) -> int:
-    from kvcodec.engines import open_engine
-    from kvcodec.profiles import HERE, fit_profile, read_profile, save_profile
-    from perf.quality import evalset
+    from perf.quality.fit import fit_codec_profile
 
-    settings = _settings(args)
-    engine = open_engine(settings)
-    texts = evalset.load(evalset.FIT_SET, engine.tokenize, args.tokens)
-
-    def samples():
-        for n, (text, ids) in enumerate(texts, 1):
-            print(f"[{n}/{len(texts)}] prefill {text.name} ({len(ids)} tokens)", file=sys.stderr, flush=True)
-            for i, kv in enumerate(engine.prefill_chunks(ids, settings.chunk_tokens)):
-                yield kv, i * settings.chunk_tokens
-
-    out = Path(args.out) if args.out else HERE / f"{engine.card.codec_profile}.npz"
-    path = save_profile(fit_profile(samples(), engine.rope_theta), out)
-    profile = read_profile(path)
-    share = profile.variance[..., :32].sum(-1) / profile.variance.sum(-1)
-    print(json.dumps({"profile": str(path), "digest": profile.digest, "bytes": path.stat().st_size,
-                      "fit_tokens": len(texts) * args.tokens,
-                      "variance_in_first_32_components": {"keys": round(float(share[:, 0].mean()), 4),
-                                                          "values": round(float(share[:, 1].mean()), 4)}}))
+    print(json.dumps(fit_codec_profile(_settings(args), args.tokens, Path(args.out) if args.out else None)))
     return 0
 
 

@@ -7,12 +7,12 @@ or at least 1024 + 64; ``FIT_SET`` shares no file with it.
 """
 from __future__ import annotations
 
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
 from kvcodec.errors import ConfigError
+from perf.texts import stdlib_path
 
 LICENSES = Path("/usr/share/common-licenses")
 
@@ -31,7 +31,7 @@ class Text:
 
 
 def _stdlib(rel: str) -> Text:
-    return Text(f"py:{rel}", "code" if rel.endswith(".py") else "prose", Path(sysconfig.get_paths()["stdlib"]) / rel)
+    return Text(f"py:{rel}", "code" if rel.endswith(".py") else "prose", stdlib_path(rel))
 
 
 def _license(name: str) -> Text:

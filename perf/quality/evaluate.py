@@ -21,10 +21,10 @@ from typing import List, Sequence
 import numpy as np
 
 from kvcodec.encode import ChunkEncoder
-from kvcodec.serving.decode import ChunkDecoder
-from kvcodec.serving.restore import restore
 from kvcodec.errors import BadRequest
 from kvcodec.format.codecs import Scheme
+from kvcodec.serving.decode import ChunkDecoder
+from kvcodec.serving.restore import restore
 
 
 @dataclass
@@ -93,7 +93,8 @@ def compare(engine, ref: Reference, scheme: Scheme, threads: int = 1) -> EvalRes
     top1 = float(np.mean(ref.logprobs.argmax(-1) == new.argmax(-1)))
     kl = float(np.mean(np.sum(np.exp(ref.logprobs) * (ref.logprobs - new), axis=-1)))
     greedy = list(engine.stream(ref.prefix + ref.continuation[:1], len(ref.greedy), past))
-    match = next((i for i, (a, b) in enumerate(zip(ref.greedy, greedy)) if a != b), min(len(ref.greedy), len(greedy)))
+    pairs = enumerate(zip(ref.greedy, greedy, strict=False))
+    match = next((i for i, (a, b) in pairs if a != b), min(len(ref.greedy), len(greedy)))
     fp16 = sum(kv.size * 2 for kv in ref.chunks)
     stored = sum(len(b) for b in blobs)
     return EvalResult(scheme.name, scheme.identity, len(ref.prefix), len(ref.continuation),

@@ -14,7 +14,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from . import Process, ServiceError, Wrap, binary, can_connect
+from perf.procs import Process, ServiceError, Wrap
+
+from . import binary, can_connect
 
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{8,512}$")  # RFC 6750 token68, nothing to escape in nginx.conf
 _PREFIX = re.compile(r"^[a-z0-9_-]{1,64}$")
@@ -119,8 +121,7 @@ class NginxStore:
         pid_file = self.run_dir / "nginx.pid"
         pid_file.unlink(missing_ok=True)
         cmd = [nginx, "-p", str(self.run_dir), "-c", str(conf), "-e", str(self.run_dir / "error.log")]
-        self._process = Process("nginx", cmd, log, self.wrap)
-        self._process.launch()
+        self._process = Process("nginx", cmd, log, self.wrap).start()
 
         def ready() -> bool:
             # nginx writes its pid file (removed above) after binding its sockets, so a listener

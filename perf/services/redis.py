@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 from urllib.parse import quote
 
-from . import Process, ServiceError, Wrap, binary, can_connect, tail
+from perf.procs import Process, ServiceError, Wrap, tail
+
+from . import binary, can_connect
 
 CONF = """\
 bind {host}
@@ -100,13 +102,14 @@ class _Node:
         conf.write_text(conf_text)
         conf.chmod(0o600)  # it holds the password
         self.process = Process(f"redis-server :{self.port}", [server, str(conf)], self.folder / "stdout.log",
-                               self.wrap)
-        self.process.launch()
+                               self.wrap).start()
 
     def wait_ready(self, timeout_s: float) -> None:
         # PING answered with our password: our server, not someone else's on the same port.
-        self.process.wait_ready(lambda: can_connect(self.host, self.port) and _ping(self.host, self.port, self.password),
-                                timeout_s, [self.folder / "stdout.log", self.folder / "redis.log"])
+        def ready() -> bool:
+            return can_connect(self.host, self.port) and _ping(self.host, self.port, self.password)
+
+        self.process.wait_ready(ready, timeout_s, [self.folder / "stdout.log", self.folder / "redis.log"])
 
     def stop(self) -> None:
         if self.process is not None:

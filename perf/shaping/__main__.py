@@ -1,6 +1,6 @@
 """``python -m perf.shaping`` (``perf/link``): up | down | run -- CMD | check | proxy."""
 import sys
 
-from . import main
+from .cli import main
 
 sys.exit(main())

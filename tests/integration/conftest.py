@@ -9,19 +9,18 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 from kvcodec.engines.model_files import ensure_model
-from perf.ports import free_ports  # noqa: F401  (test_serve imports it from here)
-from kvcodec.settings import Settings
 from kvcodec.engines.tokenizer import Tokenizer
+from kvcodec.settings import Settings
+from perf.ports import free_ports  # noqa: F401  (test_serve imports it from here)
+from perf.texts import cut_to_tokens, stdlib_text
 from perf.tritonserver import Ports, TritonServer
 
 REPO = Path(__file__).resolve().parents[2]
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 KVCODEC = str(Path(sys.executable).parent / "kvcodec")
 TEST_LADDER = "lossless8,video,int8-zstd,raw,nlevel-zstd,transform-zstd,cachegen"
 
@@ -48,7 +47,7 @@ def server(settings):
     http, grpc, metrics = free_ports(3)
     srv = TritonServer(REPO / "model_repository", settings, Ports(http, grpc, metrics))
     srv.start(timeout_s=300)
-    pid = srv.proc.pid
+    pid = srv.pid
     yield srv
     srv.stop()
     with pytest.raises(ProcessLookupError):
@@ -65,13 +64,8 @@ def cli(settings, *args: str, timeout: float = 600) -> subprocess.CompletedProce
 
 
 def text_of(tokenizer, source: str, tokens: int) -> str:
-    """Whole lines of a standard-library module, just over ``tokens`` tokens."""
-    out, lines = [], (STDLIB / source).read_text(encoding="utf-8").splitlines(keepends=True)
-    for line in lines:
-        out.append(line)
-        if len(out) % 5 == 0 and len(tokenizer.encode("".join(out))) >= tokens:
-            break
-    return "".join(out)
+    """Whole lines of a standard-library module, just over ``tokens`` tokens (a multiple of 5 lines)."""
+    return cut_to_tokens(tokenizer, stdlib_text(source), tokens, step=5)
 
 
 def ingest_text(settings, tmp_path: Path, text: str, codec: str = "lossless8") -> dict:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvcodec.engines import model_card
-from kvcodec.format.keys import chunk_keys
 from kvcodec.format.codecs import get_scheme
+from kvcodec.format.keys import chunk_keys
 from kvcodec_client import ClientError, KVCodecClient
 
 from .conftest import cli, ingest_text, text_of
@@ -145,6 +145,18 @@ def test_empty_prompt_is_invalid_argument(server, protocol):
     assert err.value.message.endswith("input_ids is empty: the prompt needs at least one token")
     if protocol == "http":
         assert err.value.status == "400"  # INVALID_ARG; gRPC streams carry the message only
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_token_ids_past_the_vocabulary_are_invalid_argument(server, protocol):
+    """Not an internal error: the request names a token the model does not have."""
+    client = KVCodecClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol)
+    with pytest.raises(ClientError) as err:
+        client.generate([1, 2, 49152], 4)
+    assert err.value.message.endswith("input_ids holds token id 49152, the vocabulary has 49152")
+    if protocol == "http":
+        assert err.value.status == "400"
+    assert client.generate([1, 2, 49151], 1).tokens  # the last id of the vocabulary is fine
 
 
 def test_bad_max_tokens_is_invalid_argument(grpc):

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from perf.make_inputs import make_inputs
-from perf.perf_analyzer import ensure_perf_analyzer, perf_analyzer_version, run_targets, Target, write_results
+from perf.perf_analyzer import Target, ensure_perf_analyzer, perf_analyzer_version, run_targets, write_results
 
 from .conftest import ingest_text, text_of
 

@@ -11,12 +11,12 @@ import threading
 import pytest
 
 from kvcodec.errors import StoreUnavailable
-from perf.services import free_port, free_port_run
-from perf.services.nginx import NginxStore
-from perf.services.redis import RedisCluster, RedisServer
 from kvcodec.store import open_store
 from kvcodec.store.fs import FileStore
 from kvcodec.store.http import HttpStore
+from perf.ports import free_port, free_port_run
+from perf.services.nginx import NginxStore
+from perf.services.redis import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.integration
 

@@ -11,10 +11,10 @@ import uuid
 import numpy as np
 import pytest
 
+from kvcodec.format.codecs import Scheme
 from kvcodec.profiles import _CACHE as PROFILE_CACHE
 from kvcodec.profiles import fit_profile, save_profile
 from kvcodec.profiles.rope import rope
-from kvcodec.format.codecs import Scheme
 from kvcodec.store.memory import MemoryStore
 
 LAYERS, KV_HEADS, TOKENS, HEAD_DIM = 4, 3, 256, 64

@@ -6,17 +6,16 @@ import json
 
 import pytest
 
+from kvcodec.errors import ConfigError
+from kvcodec.format.codecs import get_scheme
+from kvcodec.format.ladder import parse_ladder, parse_rung, rung_name
 from kvcodec.serving.assemble import overlap
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.costs import CostModel, record_request
-from kvcodec.serving.stats import RequestStats
-from kvcodec.errors import ConfigError
 from kvcodec.serving.fetch import Fetcher
-from kvcodec.format.ladder import parse_ladder, parse_rung, rung_name
-from kvcodec.format.codecs import get_scheme
+from kvcodec.serving.stats import RequestStats
 
-from .test_pipeline import CHUNK, MODEL, N_CHUNKS, ScriptedStore, assemble, ingest, through_steps
-from .test_pipeline import context, encoded  # noqa: F401  (module fixtures)
+from .test_pipeline import CHUNK, MODEL, N_CHUNKS, ScriptedStore, assemble, context, encoded, ingest, through_steps  # noqa: F401  (module fixtures)
 
 FP16_PER_TOKEN = 2 * 2 * 3 * 64 * 2  # the synthetic context: 2 layers, 3 heads, head_dim 64
 RAW, ZSTD = get_scheme("raw").identity, get_scheme("int8-zstd").identity

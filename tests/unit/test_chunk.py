@@ -7,15 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from kvcodec.format import container
 from kvcodec.encode import PAYLOAD, ChunkEncoder
-from kvcodec.serving.decode import ChunkDecoder
-from kvcodec.serving.restore import descriptor, from_descriptor, restore
-from kvcodec.format.container import Container
 from kvcodec.errors import ConfigError, CorruptChunk, ForeignChunk
+from kvcodec.format import container
+from kvcodec.format.codecs import SCHEMES, get_scheme
+from kvcodec.format.container import Container
 from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.format.codecs import SCHEMES, get_scheme
+from kvcodec.serving.decode import ChunkDecoder
+from kvcodec.serving.restore import descriptor, from_descriptor, restore
 
 from .conftest import on_tiny_profile
 
@@ -250,3 +250,13 @@ def test_the_default_ladder_holds_only_rungs_that_pass_the_quality_gate():
 
     gated = {"transform-zstd", "video", "int8-zstd", "raw"}  # pass in perf/results/rd.json; lossless8 does not
     assert set(DEFAULT_LADDER) <= gated and "lossless8" not in DEFAULT_LADDER
+
+
+def test_raw_planes_are_checked_against_the_payload_digest_without_hashing_twice(encoded):
+    """For the identity coder the planes are the payload: their digest is the payload's section
+    digest, already verified by the container check, so the decoder compares the two strings."""
+    c = container.parse(encoded["raw"])
+    assert c.header["planes_digest"] == c.digests[PAYLOAD]
+    ChunkDecoder(MODEL).decode(encoded["raw"], key=KEY)
+    with pytest.raises(CorruptChunk, match="digest taken at ingest"):
+        ChunkDecoder(MODEL).decode(_rebuild(encoded["raw"], planes_digest="00" * 16), key=KEY)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.errors import BadRequest
+from kvcodec.serving.chunkinfo import ChunkInfo
 
 
 def test_json_round_trip_keeps_every_field():

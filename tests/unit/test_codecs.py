@@ -5,15 +5,15 @@ import av
 import numpy as np
 import pytest
 
-from kvcodec.format import container
-from kvcodec.encode import ChunkEncoder
-from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.bitstream import CODERS
 from kvcodec.bitstream.hevc import DECODERS, Hevc, PyAVDecoder, make_decoder
+from kvcodec.encode import ChunkEncoder
 from kvcodec.errors import CorruptChunk, Unsupported
+from kvcodec.format import container
+from kvcodec.format.codecs import get_scheme
 from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.format.codecs import get_scheme
+from kvcodec.serving.decode import ChunkDecoder
 
 
 @pytest.fixture(scope="module")

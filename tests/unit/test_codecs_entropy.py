@@ -4,15 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcodec.format import container
-from kvcodec.encode import PAYLOAD, ChunkEncoder
-from kvcodec.serving.decode import ChunkDecoder
-from kvcodec.serving.restore import restore
 from kvcodec.bitstream import CODERS
+from kvcodec.encode import PAYLOAD, ChunkEncoder
 from kvcodec.errors import CorruptChunk
+from kvcodec.format import container
+from kvcodec.format.codecs import get_scheme
 from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.format.codecs import get_scheme
+from kvcodec.serving.decode import ChunkDecoder
+from kvcodec.serving.restore import restore
 
 
 def _roundtrip(scheme, kv):

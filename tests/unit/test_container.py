@@ -7,9 +7,9 @@ import struct
 import numpy as np
 import pytest
 
+from kvcodec.errors import CorruptChunk, ForeignChunk
 from kvcodec.format import container
 from kvcodec.format.container import _PREFIX, FORMAT_VERSION, MAGIC, Container, _digest, parse
-from kvcodec.errors import CorruptChunk, ForeignChunk
 
 PREFIX = struct.Struct("<4sHI")
 

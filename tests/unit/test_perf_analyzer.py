@@ -11,9 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from perf.make_inputs import cut_to_tokens, input_data
-from perf.perf_analyzer import (PerfAnalyzerError, Target, UnstableMeasurement, check_output, percentile,
-                                perf_analyzer_args, reported_p50_latency_s, summarize, ttfts_from_profile)
+from perf.make_inputs import input_data
+from perf.perf_analyzer import (
+    PerfAnalyzerError,
+    Target,
+    UnstableMeasurement,
+    check_output,
+    perf_analyzer_args,
+    reported_p50_latency_s,
+    summarize,
+    ttfts_from_profile,
+)
+from perf.stats import percentile
+from perf.texts import cut_to_tokens
 
 DATA = Path(__file__).parent / "data" / "perf_analyzer"
 

@@ -11,16 +11,16 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from kvcodec.serving.assemble import Assembled, Assembler
 from kvcodec.encode import ChunkEncoder
-from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.errors import StoreUnavailable
-from kvcodec.serving.fetch import Fetcher
+from kvcodec.format.codecs import get_scheme
 from kvcodec.format.geometry import Geometry
 from kvcodec.format.keys import chunk_keys
 from kvcodec.layout import get_layout
-from kvcodec.format.codecs import get_scheme
+from kvcodec.serving.assemble import Assembled, Assembler
+from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.decode import DecodeStep
+from kvcodec.serving.fetch import Fetcher
 from kvcodec.serving.restore import RestoreStep, descriptor
 from kvcodec.store import KVStore
 

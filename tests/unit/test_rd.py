@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from perf.quality import evalset
 from kvcodec.errors import ConfigError
+from perf.quality import evalset
 from perf.quality.rd import DEFAULT_SETTINGS, best_passing, plot, summarise
 
 

@@ -218,7 +218,7 @@ def test_http_keeps_one_connection_per_thread_and_survives_a_dropped_one(fake):
 
 
 def test_http_server_down_is_store_unavailable():
-    from perf.services import free_port
+    from perf.ports import free_port
 
     s = HttpStore(f"http://127.0.0.1:{free_port()}/kv", connect_timeout_s=1)
     with pytest.raises(StoreUnavailable, match="unreachable"):
@@ -245,7 +245,7 @@ def test_nginx_config_guards_writes_and_stays_in_its_folder(tmp_path):
 
 @pytest.mark.parametrize("token", ["short", 'has"quote-xxxxx', "has space xxxxx", "semi;colon-xxxx", None])
 def test_nginx_rejects_tokens_it_cannot_quote(tmp_path, token):
-    from perf.services import ServiceError
+    from perf.procs import ServiceError
     from perf.services.nginx import NginxStore
 
     with pytest.raises(ServiceError, match="token"):
@@ -264,7 +264,7 @@ def test_redis_service_urls_quote_the_password(tmp_path):
 
 
 def test_wrap_is_applied_to_the_launched_command(tmp_path):
-    from perf.services import Process
+    from perf.procs import Process
 
     p = Process("x", ["server", "--flag"], tmp_path / "log", wrap=lambda cmd: ["ip", "netns", "exec", "ns1", *cmd])
     assert p.cmd == ["ip", "netns", "exec", "ns1", "server", "--flag"]
@@ -272,12 +272,13 @@ def test_wrap_is_applied_to_the_launched_command(tmp_path):
 
 def test_a_missing_server_binary_is_an_error_naming_the_package(tmp_path, monkeypatch):
     import perf.services as services
+    from perf.procs import ServiceError
     from perf.services.nginx import NginxStore
     from perf.services.redis import RedisServer
 
     monkeypatch.setattr(services.shutil, "which", lambda name: None)
     monkeypatch.setattr(services.os, "access", lambda path, mode: False)
-    with pytest.raises(services.ServiceError, match=r"nginx is not installed \(apt-get install -y nginx\)"):
+    with pytest.raises(ServiceError, match=r"nginx is not installed \(apt-get install -y nginx\)"):
         NginxStore(tmp_path, "127.0.0.1", 1, "token-12345678").start()
-    with pytest.raises(services.ServiceError, match="redis-server is not installed"):
+    with pytest.raises(ServiceError, match="redis-server is not installed"):
         RedisServer(tmp_path, "127.0.0.1", 1, "pw").start()

@@ -6,16 +6,15 @@ import numpy as np
 import pytest
 
 from kvcodec.encode import ChunkEncoder
-from kvcodec.serving.decode import ChunkDecoder
-from kvcodec.serving.restore import restore
+from kvcodec.engines.model_files import CODEC_PROFILE
 from kvcodec.errors import ConfigError, CorruptChunk, ForeignChunk
+from kvcodec.format.codecs import get_scheme
 from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.engines.model_files import CODEC_PROFILE
 from kvcodec.profiles import fit_profile, load_profile, read_profile, save_profile
-from kvcodec.profiles import _CACHE as PROFILE_CACHE
 from kvcodec.profiles.rope import rope, unrope
-from kvcodec.format.codecs import get_scheme
+from kvcodec.serving.decode import ChunkDecoder
+from kvcodec.serving.restore import restore
 
 from .conftest import THETA, TINY_PROFILE, on_tiny_profile, structured_kv
 

@@ -23,6 +23,9 @@ from ..registry import Registry
 
 class BitstreamCoder:
     name: str = ""
+    # True when the decoded planes are the payload's bytes as they are (``identity``): the planes
+    # digest then equals the payload's section digest, which the container check already verified.
+    verbatim: bool = False
 
     def __init__(self, **params: Any) -> None:
         self.params: Dict[str, Any] = params

@@ -18,6 +18,7 @@ def _as_planes(data: bytes, shape: Tuple[int, int, int]) -> np.ndarray:
 
 class Identity(BitstreamCoder):
     name = "identity"
+    verbatim = True
 
     def encode(self, planes: np.ndarray) -> bytes:
         return np.ascontiguousarray(planes, dtype=np.uint8).tobytes()

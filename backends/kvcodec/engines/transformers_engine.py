@@ -16,8 +16,7 @@ import numpy as np
 
 from ..errors import BadRequest
 from ..format.geometry import Geometry
-from . import ModelCard
-from . import model_files
+from . import ModelCard, model_files
 from .model_files import ModelFiles
 from .tokenizer import IncrementalDetokenizer
 

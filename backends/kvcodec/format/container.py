@@ -36,6 +36,7 @@ class Container:
 
     header: Dict[str, Any]
     sections: Dict[str, bytes] = field(default_factory=dict)
+    digests: Dict[str, str] = field(default_factory=dict)  # per section, as verified by ``parse``
 
     def to_bytes(self) -> bytes:
         header = dict(self.header)
@@ -51,7 +52,8 @@ class Container:
 
     def without(self, *names: str) -> "Container":
         """A copy without the named sections (e.g. the bitstream, once decoded)."""
-        return Container(dict(self.header), {k: v for k, v in self.sections.items() if k not in names})
+        return Container(dict(self.header), {k: v for k, v in self.sections.items() if k not in names},
+                         {k: v for k, v in self.digests.items() if k not in names})
 
     def expect(self, **fields: Any) -> None:
         """Raise ``ForeignChunk`` unless each header field has the expected value."""
@@ -93,6 +95,7 @@ def parse(data) -> Container:
         raise CorruptChunk("chunk header checksum mismatch")
     offset = _PREFIX.size + header_len
     sections: Dict[str, memoryview] = {}
+    digests: Dict[str, str] = {}
     for meta in sections_meta:
         try:
             name, length, digest = meta["name"], int(meta["length"]), meta["digest"]
@@ -107,8 +110,9 @@ def parse(data) -> Container:
         if _digest(body) != digest:
             raise CorruptChunk(f"chunk section {name!r} checksum mismatch")
         sections[name] = body
+        digests[name] = digest
         offset = end
     if offset != len(data):
         raise CorruptChunk(f"{len(data) - offset} trailing bytes after the last section")
     header = {k: v for k, v in header.items() if k not in ("sections", "header_digest")}
-    return Container(header, sections)
+    return Container(header, sections, digests)

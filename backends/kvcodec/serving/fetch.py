@@ -26,13 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .chunkinfo import ChunkInfo
-from .costs import CostModel
 from ..errors import KVCodecError
+from ..format.codecs import Scheme
 from ..format.keys import chunk_keys, reusable_chunks
 from ..format.ladder import parse_ladder, rung_name
-from ..format.codecs import Scheme
 from ..store import KVStore
+from .chunkinfo import ChunkInfo
+from .costs import CostModel
 
 PROBE_THREADS = 16
 
@@ -98,9 +98,9 @@ class Fetcher:
         schemes = list(schemes or self.schemes)
         all_keys = [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit) for s in schemes]
         flat = [k for keys in all_keys for k in keys]
-        present = dict(zip(flat, self._pool.map(self.store.exists, flat))) if flat else {}
+        present = dict(zip(flat, self._pool.map(self.store.exists, flat), strict=True)) if flat else {}
         runs = []
-        for scheme, keys in zip(schemes, all_keys):
+        for scheme, keys in zip(schemes, all_keys, strict=True):
             n = 0
             while n < len(keys) and present[keys[n]]:
                 n += 1

@@ -17,8 +17,17 @@ from kvcodec.serving.fetch import Fetcher
 from kvcodec.serving.request import Request
 from kvcodec.settings import Settings
 from kvcodec.store import open_store
-from kvcodec.triton import (FINAL, error_response, get_array, get_scalar, get_text, has_input, model_parameters,
-                            tensor, text_tensor)
+from kvcodec.triton import (
+    FINAL,
+    error_response,
+    get_array,
+    get_scalar,
+    get_text,
+    has_input,
+    model_parameters,
+    tensor,
+    text_tensor,
+)
 
 log = logging.getLogger("kvcodec.kv_fetch")
 

@@ -73,7 +73,8 @@ class _Metrics:
     def __init__(self):
         counter = pb_utils.MetricFamily.COUNTER
         self.requests = pb_utils.MetricFamily("kvcodec_requests_total", "Requests answered, by outcome", counter)
-        self.tokens = pb_utils.MetricFamily("kvcodec_reused_tokens_total", "Prompt tokens served from stored KV", counter)
+        self.tokens = pb_utils.MetricFamily("kvcodec_reused_tokens_total", "Prompt tokens served from stored KV",
+                                            counter)
         self.bytes = pb_utils.MetricFamily("kvcodec_fetched_bytes_total", "KV chunk bytes fetched", counter)
         self._by_outcome = {}
         self._tokens = self.tokens.Metric(labels={})

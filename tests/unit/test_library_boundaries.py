@@ -1,0 +1,40 @@
+"""The product library's boundaries, checked on its source: Triton only at the edge, no process
+management, no tooling imports; each ensemble step has its module in ``serving/``."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+LIBRARY = Path(__file__).resolve().parents[2] / "backends" / "kvcodec"
+MODULES = sorted(p for p in LIBRARY.rglob("*.py"))
+
+
+def _imports(path: Path) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(LIBRARY)))
+def test_no_process_management_no_tooling_and_triton_only_at_the_edge(path):
+    imports = _imports(path)
+    assert not imports & {"subprocess", "signal", "multiprocessing", "perf", "kvcodec_client"}, imports
+    if path.relative_to(LIBRARY).parts[0] != "triton":
+        assert not imports & {"triton_python_backend_utils", "tritonclient"}, imports
+    source = path.read_text()
+    for call in ("os.kill", "os.killpg", "Popen", "os.system", "ip netns"):
+        assert call not in source, f"{path.name} uses {call}"
+
+
+def test_each_ensemble_step_has_its_module():
+    steps = {"kv_fetch": "fetch", "kv_decode": "decode", "kv_restore": "restore", "llm": "generate"}
+    repo = LIBRARY.parents[1] / "model_repository"
+    for step, module in steps.items():
+        assert (LIBRARY / "serving" / f"{module}.py").is_file()
+        assert f"kvcodec.serving.{module}" in (repo / step / "1" / "model.py").read_text()
