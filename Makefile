@@ -59,3 +59,9 @@ chunkbench: setup
 
 clean:
 	rm -rf $(VENV) .cache
+
+# Hostile chunks against the read path (perf/fuzz.py): 100k seeded cases, zero untyped errors and
+# zero hangs, or it fails; perf/results/fuzz.json. The unit tests run a short form.
+.PHONY: fuzz
+fuzz: setup
+	$(BIN)/python -m perf.fuzz --cases 100000 --seed 0 --json perf/results/fuzz.json

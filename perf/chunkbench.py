@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 import numpy as np  # noqa: E402
 
+from kvcodec.format.auth import ChunkAuth  # noqa: E402
 from kvcodec.serving import restore as restore_module  # noqa: E402
 from kvcodec.serving.assemble import Assembled, Assembler  # noqa: E402
 from kvcodec.serving.chunkinfo import ChunkInfo  # noqa: E402
@@ -139,8 +140,8 @@ class ServingPath:
     one ``Assembler``, as one server holds them. A context manager: inside it, ``ChunkDecoder.decode``
     and ``serving.restore.restore`` are wrapped in the probes ``inner_decode`` and ``inner_restore``."""
 
-    def __init__(self, model_id: str, decoder: str = "pyav", threads: int = DECODER_THREADS) -> None:
-        self.decode_step = DecodeStep(model_id, decoder=decoder, threads=threads)
+    def __init__(self, model_id: str, auth: ChunkAuth, decoder: str = "pyav", threads: int = DECODER_THREADS) -> None:
+        self.decode_step = DecodeStep(model_id, auth=auth, decoder=decoder, threads=threads)
         self.restore_step = RestoreStep()
         self.assembler = Assembler()
         self.inner_decode = Probe(self.decode_step.decoder.decode)
@@ -201,7 +202,7 @@ def _check(stage: str, info: ChunkInfo, value: Any, last: bool) -> None:
         raise RuntimeError(f"assembled request is short: {value.reason}")
 
 
-def measure_chunks(blobs: Sequence[bytes], model_id: str, keys: Sequence[str], chunk_tokens: int,
+def measure_chunks(blobs: Sequence[bytes], model_id: str, keys: Sequence[str], chunk_tokens: int, auth: ChunkAuth,
                    repeats: int = REPEATS, decoder: str = "pyav", threads: int = DECODER_THREADS,
                    session: str = "chunkbench") -> Measurement:
     """Times decode -> restore -> assemble of every chunk of one request (``blobs``, the chunks of one
@@ -213,7 +214,7 @@ def measure_chunks(blobs: Sequence[bytes], model_id: str, keys: Sequence[str], c
     # samples[kind][name][rep][chunk], seconds; kind "wall" or "cpu"
     samples = {kind: {s: np.zeros((repeats, n)) for s in names} for kind in ("wall", "cpu")}
     assembled: Optional[Assembled] = None
-    with ServingPath(model_id, decoder=decoder, threads=threads) as path:
+    with ServingPath(model_id, auth, decoder=decoder, threads=threads) as path:
         probes = {"inner_decode": path.inner_decode, "inner_restore": path.inner_restore}
         for rep in range(repeats):
             gc.collect()  # no collection of the previous request's garbage inside the timed calls
@@ -281,12 +282,13 @@ def run_chunkbench(settings: Any, rungs: Sequence[str], text_path: str | Path, c
     fp16_bytes = int(np.prod(kvs[0].shape)) * 2
 
     result: Dict[str, Any] = {"rungs": {}}
+    auth = ChunkAuth.random()  # the chunks never leave this process
     for spec in rungs:
         scheme = parse_rung(spec, card.codec_profile)
         keys = chunk_keys(ids, card.model_id, scheme.identity, chunk_tokens)
-        encoder = ChunkEncoder(scheme, card.model_id, threads=decoder_threads)
+        encoder = ChunkEncoder(scheme, card.model_id, auth=auth, threads=decoder_threads)
         blobs = [encoder.encode(kv, keys[i], i, i * chunk_tokens) for i, kv in enumerate(kvs)]
-        measured = measure_chunks(blobs, card.model_id, keys, chunk_tokens, repeats, decoder=settings.decoder,
+        measured = measure_chunks(blobs, card.model_id, keys, chunk_tokens, auth, repeats, decoder=settings.decoder,
                                   threads=decoder_threads, session=spec)
         m = measured.figures
         m["mb_s"] = fp16_bytes / (m["total_ms"] / 1e3) / 1e6

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .bitstream import CODERS, BitstreamCoder
+from .format.auth import ChunkAuth
 from .format.codecs import Scheme
 from .format.container import Container
 from .format.geometry import Geometry
@@ -33,9 +34,12 @@ def make_coder(scheme: Scheme, **runtime: Any) -> BitstreamCoder:
 
 
 class ChunkEncoder:
-    def __init__(self, scheme: Scheme, model_id: str, threads: int = 1) -> None:
+    """Encodes chunks of one scheme for one model, signed with ``auth`` (``format.auth``)."""
+
+    def __init__(self, scheme: Scheme, model_id: str, *, auth: ChunkAuth, threads: int = 1) -> None:
         self.scheme = scheme
         self.model_id = model_id
+        self.auth = auth
         self.layout = get_layout(scheme.layout, **scheme.layout_params)
         self.codec = make_coder(scheme, threads=threads)
         self.last_decode_s = 0.0
@@ -72,4 +76,4 @@ class ChunkEncoder:
         header["planes_digest"] = planes_digest(decoded)
         sections = dict(side)
         sections[PAYLOAD] = payload
-        return Container(header, sections).to_bytes()
+        return Container(header, sections).to_bytes(self.auth)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from .encode import ChunkEncoder
+from .format.auth import ChunkAuth
 from .format.codecs import Scheme
 from .format.keys import chunk_keys
 from .format.ladder import rung_name
@@ -50,10 +51,10 @@ class IngestReport:
 
 
 def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Scheme, Sequence[Scheme]],
-           chunk_tokens: int, threads: int = 1, progress: Optional[Callable[[int], None]] = None,
-           costs: Optional[CostModel] = None) -> IngestReport:
-    """Store every full chunk of ``token_ids`` for each scheme; ``progress(n)`` is called as each
-    chunk is done (all its rungs)."""
+           chunk_tokens: int, *, auth: ChunkAuth, threads: int = 1,
+           progress: Optional[Callable[[int], None]] = None, costs: Optional[CostModel] = None) -> IngestReport:
+    """Store every full chunk of ``token_ids`` for each scheme, signed with ``auth``; ``progress(n)``
+    is called as each chunk is done (all its rungs)."""
     schemes: List[Scheme] = [scheme] if isinstance(scheme, Scheme) else list(scheme)
     keys = {s.identity: chunk_keys(token_ids, engine.model_id, s.identity, chunk_tokens) for s in schemes}
     n_chunks = len(token_ids) // chunk_tokens
@@ -63,7 +64,7 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
         if progress:
             progress(n_chunks)
         return report
-    encoders = {s.identity: ChunkEncoder(s, engine.model_id, threads=threads) for s in schemes}
+    encoders = {s.identity: ChunkEncoder(s, engine.model_id, auth=auth, threads=threads) for s in schemes}
     t = time.perf_counter()
     for i, kv in enumerate(engine.prefill_chunks(token_ids, chunk_tokens)):
         report.prefill_s += time.perf_counter() - t
@@ -99,9 +100,11 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
                  progress: Optional[Callable[[int], None]] = None) -> IngestReport:
     """The one ingest path of the CLI and the tools: ``token_ids`` into the store at each rung
     (a ladder spec; default: the settings' ladder), bound to the engine's codec profile, with the
-    measured costs recorded where the serving steps of ``settings`` read them."""
+    measured costs recorded where the serving steps of ``settings`` read them; signed with the
+    deployment's chunk key (``format.auth.load_auth``)."""
     from dataclasses import replace
 
+    from .format.auth import load_auth
     from .format.ladder import parse_ladder
     from .serving.costs import for_settings
     from .store import open_store
@@ -110,6 +113,6 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
     url = store_url or settings.store
     costs = for_settings(replace(settings, store=url), engine.geometry(1).fp16_bytes)
     with open_store(url) as store:
-        return ingest(engine, store, token_ids, schemes, settings.chunk_tokens,
+        return ingest(engine, store, token_ids, schemes, settings.chunk_tokens, auth=load_auth(settings.key_file),
                       threads=max(1, threads if threads is not None else settings.threads), progress=progress,
                       costs=costs)

@@ -18,9 +18,12 @@ name the field and the value.
 | adaptive      | KVCODEC_ADAPTIVE       | 1: choose a rung per chunk, recompute when faster (0: first stored rung) |
 | link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
+| key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
+(2) made on first use, mode 0600; ``KVCODEC_CHUNK_KEY`` (the key, hex) takes its place
+(``kvcodec.format.auth``).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class Settings:
     link_mbps: float = 1000.0
     deadline_s: float = 0.0
     engine: str = "transformers"
+    key_file: Path = Path(".cache/chunk.key")
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -88,13 +92,14 @@ class Settings:
             raise ConfigError(f"adaptive must be 0 or 1, got {adaptive!r}")
         link_mbps = _float("link_mbps", raw("link_mbps") or "1000", minimum=0.001)
         deadline_s = _float("deadline_s", raw("deadline_s") or "0", minimum=0.0)
+        key_file = Path(raw("key_file") or home / "chunk.key").expanduser().resolve()
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
         if engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
-                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine)
+                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -110,6 +115,7 @@ class Settings:
             "KVCODEC_LINK_MBPS": repr(self.link_mbps),
             "KVCODEC_DEADLINE_S": repr(self.deadline_s),
             "KVCODEC_ENGINE": self.engine,
+            "KVCODEC_KEY_FILE": str(self.key_file),
         }
 
 

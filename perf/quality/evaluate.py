@@ -22,6 +22,7 @@ import numpy as np
 
 from kvcodec.encode import ChunkEncoder
 from kvcodec.errors import BadRequest
+from kvcodec.format.auth import ChunkAuth
 from kvcodec.format.codecs import Scheme
 from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import restore
@@ -80,8 +81,9 @@ def reference(engine, ids: Sequence[int], prefix_tokens: int, continuation_token
 def compare(engine, ref: Reference, scheme: Scheme, threads: int = 1) -> EvalResult:
     """Pass the reference's KV through ``scheme`` and compare the model's behaviour on it."""
     c = ref.chunk_tokens
-    encoder = ChunkEncoder(scheme, engine.model_id, threads=threads)
-    decoder = ChunkDecoder(engine.model_id, threads=threads)
+    auth = ChunkAuth.random()  # the chunks never leave this process
+    encoder = ChunkEncoder(scheme, engine.model_id, auth=auth, threads=threads)
+    decoder = ChunkDecoder(engine.model_id, auth=auth, threads=threads)
     t0 = time.perf_counter()
     blobs = [encoder.encode(kv, f"eval{i}", i, i * c) for i, kv in enumerate(ref.chunks)]
     t1 = time.perf_counter()

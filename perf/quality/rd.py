@@ -96,18 +96,20 @@ def _worker(config: RdConfig, texts: List[int], out) -> None:
 def decode_speed(config: RdConfig, ref_chunks, model_id: str, repeats: int = 3) -> Dict[str, float]:
     """MB of fp16 KV restored per second, per setting, decoding ``ref_chunks`` (best of ``repeats``)."""
     from kvcodec.encode import ChunkEncoder
+    from kvcodec.format.auth import ChunkAuth
     from kvcodec.serving.decode import ChunkDecoder
     from kvcodec.serving.restore import restore
 
     speeds = {}
+    auth = ChunkAuth.random()  # the chunks never leave this process
     fp16 = sum(kv.size * 2 for kv in ref_chunks)
     for spec in config.settings:
         scheme = _scheme(spec, config)
-        enc = ChunkEncoder(scheme, model_id)
+        enc = ChunkEncoder(scheme, model_id, auth=auth)
         blobs = [enc.encode(kv, f"s{i}", i, i * config.chunk_tokens) for i, kv in enumerate(ref_chunks)]
         best = float("inf")
         for _ in range(repeats):
-            dec = ChunkDecoder(model_id, threads=config.decode_threads)
+            dec = ChunkDecoder(model_id, auth=auth, threads=config.decode_threads)
             t0 = time.perf_counter()
             for i, b in enumerate(blobs):
                 restore(dec.decode(b, key=f"s{i}"))

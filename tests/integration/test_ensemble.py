@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from kvcodec.engines import model_card
+from kvcodec.format import container
+from kvcodec.format.auth import ChunkAuth, load_auth
 from kvcodec.format.codecs import get_scheme
 from kvcodec.format.keys import chunk_keys
 from kvcodec_client import ClientError, KVCodecClient
@@ -124,6 +126,22 @@ def test_chunk_under_the_wrong_key_is_never_used(settings, grpc, context_b):
         result = grpc.generate(ids, MAX_TOKENS, reuse=True)
     assert result.reused_tokens == 256
     assert "chunk 1: foreign" in result.stats["miss_reason"]
+    assert result.tokens == prefill.tokens
+
+
+def test_kv_poisoning_with_valid_checksums_is_never_used(settings, grpc, context_b):
+    """Someone who can write to the store puts a chunk of its own under a prompt's key: the same
+    header (model, key, codec), other KV, every checksum valid, signed with a key of its own. The
+    server reads it as foreign and answers with its own prefill."""
+    ids, prefill = context_b
+    path = _chunk_path(settings, ids, 1)
+    mine = container.parse(path.read_bytes(), load_auth(settings.key_file))
+    other = container.parse(_chunk_path(settings, ids, 0).read_bytes(), load_auth(settings.key_file))
+    forged = container.Container(dict(mine.header), dict(other.sections)).to_bytes(ChunkAuth.random())
+    with replaced(path, forged):
+        result = grpc.generate(ids, MAX_TOKENS, reuse=True)
+    assert result.reused_tokens == 256
+    assert "chunk 1: foreign" in result.stats["miss_reason"] and "not signed" in result.stats["miss_reason"]
     assert result.tokens == prefill.tokens
 
 

@@ -11,6 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
+from kvcodec.format.auth import ChunkAuth
 from kvcodec.format.codecs import Scheme
 from kvcodec.profiles import _CACHE as PROFILE_CACHE
 from kvcodec.profiles import fit_profile, save_profile
@@ -18,6 +19,7 @@ from kvcodec.profiles.rope import rope
 from kvcodec.store.memory import MemoryStore
 
 LAYERS, KV_HEADS, TOKENS, HEAD_DIM = 4, 3, 256, 64
+AUTH = ChunkAuth(bytes(range(32)))  # the tests' chunk signing key
 
 
 def synthetic_kv(seed: int = 0, layers: int = LAYERS, kv_heads: int = KV_HEADS, tokens: int = TOKENS,

@@ -17,7 +17,7 @@ from kvcodec.layout import get_layout
 from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import descriptor, from_descriptor, restore
 
-from .conftest import on_tiny_profile
+from .conftest import AUTH, on_tiny_profile
 
 MODEL = "org/tiny@abc123"
 KEY = "aaaa/bbbb/0123456789abcdef"
@@ -33,7 +33,7 @@ def chunk_kv(make_kv):
 @pytest.fixture(scope="module")
 def encoded(chunk_kv, tiny_profile):
     """Each scheme's chunk of the same KV, encoded once for the module."""
-    return {name: ChunkEncoder(scheme, MODEL).encode(chunk_kv, KEY, chunk_index=2, token_start=512)
+    return {name: ChunkEncoder(scheme, MODEL, auth=AUTH).encode(chunk_kv, KEY, chunk_index=2, token_start=512)
             for name, scheme in CASES.items()}
 
 
@@ -44,14 +44,14 @@ def _q8_round_trip(kv: np.ndarray) -> np.ndarray:
 
 
 def _rebuild(data: bytes, **header_changes) -> bytes:
-    c = container.parse(data)
+    c = container.parse(data, AUTH)
     c.header.update(header_changes)
-    return Container(c.header, c.sections).to_bytes()
+    return Container(c.header, c.sections).to_bytes(AUTH)
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_every_scheme_restores_float16_kv_of_the_right_shape(name, chunk_kv, encoded):
-    decoder = ChunkDecoder(MODEL)
+    decoder = ChunkDecoder(MODEL, auth=AUTH)
     decoded = decoder.decode(encoded[name], key=KEY)
     assert PAYLOAD not in decoded.side
     assert decoded.header.scheme == name
@@ -80,7 +80,7 @@ def test_every_scheme_restores_float16_kv_of_the_right_shape(name, chunk_kv, enc
 
 @pytest.mark.parametrize("name", ["lossless8", "int8-zstd"])
 def test_lossless_8bit_schemes_restore_exactly_the_q8_round_trip(name, chunk_kv, encoded):
-    decoded = ChunkDecoder(MODEL).decode(encoded[name], key=KEY)
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(encoded[name], key=KEY)
     kv = restore(decoded)
     want = _q8_round_trip(chunk_kv)
     assert np.array_equal(kv.view(np.uint16), want.view(np.uint16)), (
@@ -88,7 +88,7 @@ def test_lossless_8bit_schemes_restore_exactly_the_q8_round_trip(name, chunk_kv,
 
 
 def test_raw_restores_the_float16_of_the_input_exactly(chunk_kv, encoded):
-    decoded = ChunkDecoder(MODEL).decode(encoded["raw"], key=KEY)
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(encoded["raw"], key=KEY)
     kv = restore(decoded)
     assert np.array_equal(kv.view(np.uint16), chunk_kv.astype(np.float16).view(np.uint16))
 
@@ -100,12 +100,12 @@ def _over_the_wire(decoded, planes=None):
 
 
 def test_restore_accepts_planes_as_they_travel_between_steps(chunk_kv, encoded):
-    decoded = ChunkDecoder(MODEL).decode(encoded["int8-zstd"], key=KEY)
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(encoded["int8-zstd"], key=KEY)
     assert np.array_equal(restore(_over_the_wire(decoded)), restore(decoded))
 
 
 def test_video_q8_is_lossy_but_close(chunk_kv, encoded):
-    decoded = ChunkDecoder(MODEL).decode(encoded["video-q8"], key=KEY)
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(encoded["video-q8"], key=KEY)
     kv = restore(decoded).astype(np.float32)
     q8 = _q8_round_trip(chunk_kv).astype(np.float32)
     step = (chunk_kv.max(axis=3, keepdims=True) - chunk_kv.min(axis=3, keepdims=True)) / 255
@@ -114,7 +114,7 @@ def test_video_q8_is_lossy_but_close(chunk_kv, encoded):
 
 
 def test_10bit_planes_travel_typed_and_restore_the_same(encoded):
-    decoded = ChunkDecoder(MODEL).decode(encoded["video"], key=KEY)
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(encoded["video"], key=KEY)
     assert decoded.planes.dtype == np.uint16 and decoded.header.to_dict()["planes_dtype"] == "uint16"
     assert np.array_equal(restore(_over_the_wire(decoded)), restore(decoded))
     with pytest.raises(CorruptChunk, match="shape"):
@@ -128,11 +128,11 @@ def test_10bit_planes_travel_typed_and_restore_the_same(encoded):
 
 def test_a_chunk_of_another_model_is_foreign(encoded):
     with pytest.raises(ForeignChunk, match="model_id"):
-        ChunkDecoder("org/other@abc123").decode(encoded["int8-zstd"], key=KEY)
+        ChunkDecoder("org/other@abc123", auth=AUTH).decode(encoded["int8-zstd"], key=KEY)
 
 
 def test_a_wrong_expected_key_is_foreign(encoded):
-    decoder = ChunkDecoder(MODEL)
+    decoder = ChunkDecoder(MODEL, auth=AUTH)
     with pytest.raises(ForeignChunk, match="key"):
         decoder.decode(encoded["int8-zstd"], key=KEY[:-1] + "0")
     decoder.decode(encoded["int8-zstd"])  # no key given: no key check
@@ -149,7 +149,7 @@ def test_a_wrong_expected_key_is_foreign(encoded):
 def test_a_tampered_codec_identity_is_foreign(tamper, encoded):
     data = _rebuild(encoded["int8-zstd"], **tamper)
     with pytest.raises(ForeignChunk, match="codec"):
-        ChunkDecoder(MODEL).decode(data, key=KEY)
+        ChunkDecoder(MODEL, auth=AUTH).decode(data, key=KEY)
 
 
 def test_codec_params_this_build_cannot_take_are_foreign(encoded):
@@ -157,7 +157,7 @@ def test_codec_params_this_build_cannot_take_are_foreign(encoded):
     scheme_id = get_scheme("int8-zstd").identity.replace('{"level":3}', '{"level":3,"window":5}')
     data = _rebuild(encoded["int8-zstd"], codec_params=params, scheme_id=scheme_id)
     with pytest.raises(ForeignChunk, match="not understood"):
-        ChunkDecoder(MODEL).decode(data, key=KEY)
+        ChunkDecoder(MODEL, auth=AUTH).decode(data, key=KEY)
 
 
 @pytest.mark.parametrize("tamper, error", [
@@ -166,7 +166,7 @@ def test_codec_params_this_build_cannot_take_are_foreign(encoded):
     ({"geometry": {"layers": 4}}, CorruptChunk),
 ])
 def test_restore_rejects_a_header_it_does_not_read(tamper, error, encoded):
-    decoded = ChunkDecoder(MODEL).decode(encoded["int8-zstd"], key=KEY)
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(encoded["int8-zstd"], key=KEY)
     text, side = descriptor(decoded)
     d = json.loads(text)
     d["header"].update(tamper)
@@ -178,13 +178,13 @@ def test_restore_rejects_a_header_it_does_not_read(tamper, error, encoded):
 def test_bad_planes_shape_in_header_is_corrupt(shape, encoded):
     data = _rebuild(encoded["int8-zstd"], planes_shape=shape)
     with pytest.raises(CorruptChunk, match="planes shape"):
-        ChunkDecoder(MODEL).decode(data, key=KEY)
+        ChunkDecoder(MODEL, auth=AUTH).decode(data, key=KEY)
 
 
 def test_a_chunk_without_payload_is_corrupt(encoded):
-    data = container.parse(encoded["int8-zstd"]).without(PAYLOAD).to_bytes()
+    data = container.parse(encoded["int8-zstd"], AUTH).without(PAYLOAD).to_bytes(AUTH)
     with pytest.raises(CorruptChunk, match="payload"):
-        ChunkDecoder(MODEL).decode(data, key=KEY)
+        ChunkDecoder(MODEL, auth=AUTH).decode(data, key=KEY)
 
 
 @pytest.mark.parametrize("name", ["lossless8", "raw"])
@@ -192,19 +192,19 @@ def test_a_flipped_payload_byte_is_corrupt(name, encoded):
     bad = bytearray(encoded[name])
     bad[len(bad) // 2 + 7] ^= 0x10
     with pytest.raises(CorruptChunk):
-        ChunkDecoder(MODEL).decode(bytes(bad), key=KEY)
+        ChunkDecoder(MODEL, auth=AUTH).decode(bytes(bad), key=KEY)
 
 
 def test_a_rewrapped_truncated_hevc_payload_is_corrupt(encoded):
     """A valid container around half an HEVC stream: the decode itself must fail."""
-    c = container.parse(encoded["lossless8"])
+    c = container.parse(encoded["lossless8"], AUTH)
     c.sections[PAYLOAD] = c.sections[PAYLOAD][: len(c.sections[PAYLOAD]) // 2]
     with pytest.raises(CorruptChunk, match="frames"):
-        ChunkDecoder(MODEL).decode(c.to_bytes(), key=KEY)
+        ChunkDecoder(MODEL, auth=AUTH).decode(c.to_bytes(AUTH), key=KEY)
 
 
 def test_the_decoder_makes_one_codec_per_scheme(encoded):
-    decoder = ChunkDecoder(MODEL)
+    decoder = ChunkDecoder(MODEL, auth=AUTH)
     for _ in range(2):
         for name in ("int8-zstd", "raw"):
             decoder.decode(encoded[name], key=KEY)
@@ -224,7 +224,7 @@ def test_get_scheme_quality_sets_the_qp_and_changes_the_identity():
 
 
 def test_quality_chosen_for_video_reaches_the_encoder(chunk_kv):
-    enc = ChunkEncoder(get_scheme("video", quality=30), MODEL)
+    enc = ChunkEncoder(get_scheme("video", quality=30), MODEL, auth=AUTH)
     assert enc.codec.params["qp"] == 30 and "qp=30" in enc.codec.x265_params()
 
 
@@ -255,8 +255,8 @@ def test_the_default_ladder_holds_only_rungs_that_pass_the_quality_gate():
 def test_raw_planes_are_checked_against_the_payload_digest_without_hashing_twice(encoded):
     """For the identity coder the planes are the payload: their digest is the payload's section
     digest, already verified by the container check, so the decoder compares the two strings."""
-    c = container.parse(encoded["raw"])
+    c = container.parse(encoded["raw"], AUTH)
     assert c.header["planes_digest"] == c.digests[PAYLOAD]
-    ChunkDecoder(MODEL).decode(encoded["raw"], key=KEY)
+    ChunkDecoder(MODEL, auth=AUTH).decode(encoded["raw"], key=KEY)
     with pytest.raises(CorruptChunk, match="digest taken at ingest"):
-        ChunkDecoder(MODEL).decode(_rebuild(encoded["raw"], planes_digest="00" * 16), key=KEY)
+        ChunkDecoder(MODEL, auth=AUTH).decode(_rebuild(encoded["raw"], planes_digest="00" * 16), key=KEY)

@@ -12,6 +12,8 @@ from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import restore
 from perf.chunkbench import ServingPath, measure_chunks, table
 
+from .conftest import AUTH
+
 MODEL_ID = "unit-model@0"
 TOKENS = 256
 CHUNKS = 2
@@ -22,13 +24,13 @@ def encoded(rung: str, make_kv):
     scheme = get_scheme(rung)
     ids = list(range(TOKENS * CHUNKS))
     keys = chunk_keys(ids, MODEL_ID, scheme.identity, TOKENS)
-    encoder = ChunkEncoder(scheme, MODEL_ID)
+    encoder = ChunkEncoder(scheme, MODEL_ID, auth=AUTH)
     return [encoder.encode(make_kv(seed=i), keys[i], i, i * TOKENS) for i in range(CHUNKS)], keys
 
 
 def direct(blobs, keys) -> list:
     """Each chunk's KV restored by the library alone, no wire."""
-    decoder = ChunkDecoder(MODEL_ID)
+    decoder = ChunkDecoder(MODEL_ID, auth=AUTH)
     try:
         return [restore(decoder.decode(blob, key)) for blob, key in zip(blobs, keys, strict=True)]
     finally:
@@ -38,7 +40,7 @@ def direct(blobs, keys) -> list:
 @pytest.mark.parametrize("rung", ["int8-zstd", "raw"])
 def test_measurement_times_every_stage_and_assembles_the_direct_kv(rung, make_kv):
     blobs, keys = encoded(rung, make_kv)
-    m = measure_chunks(blobs, MODEL_ID, keys, TOKENS, repeats=2)
+    m = measure_chunks(blobs, MODEL_ID, keys, TOKENS, AUTH, repeats=2)
     for stage in ("decode", "restore", "assemble", "kv_tensor", "inner_decode", "inner_restore"):
         assert m.figures[f"{stage}_ms"] > 0, stage
     assert m.figures["total_ms"] == pytest.approx(
@@ -52,7 +54,7 @@ def test_measurement_times_every_stage_and_assembles_the_direct_kv(rung, make_kv
 @pytest.mark.parametrize("rung", ["int8-zstd", "raw"])
 def test_wire_carries_each_chunk_exactly(rung, make_kv):
     blobs, keys = encoded(rung, make_kv)
-    with ServingPath(MODEL_ID) as path:
+    with ServingPath(MODEL_ID, AUTH) as path:
         for i, (blob, want) in enumerate(zip(blobs, direct(blobs, keys), strict=True)):
             info = ChunkInfo("s", i, CHUNKS, token_start=i * TOKENS, tokens=TOKENS, key=keys[i])
             wire = path.decode(info, blob)
@@ -65,7 +67,7 @@ def test_wire_carries_each_chunk_exactly(rung, make_kv):
 def test_measurement_stops_on_a_failed_chunk(make_kv):
     blobs, keys = encoded("raw", make_kv)
     with pytest.raises(RuntimeError, match="decode failed on chunk 0: foreign"):
-        measure_chunks(blobs, "another-model@1", keys, TOKENS, repeats=2)
+        measure_chunks(blobs, "another-model@1", keys, TOKENS, AUTH, repeats=2)
 
 
 def test_table_shows_before_and_after():

@@ -15,6 +15,8 @@ from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
 from kvcodec.serving.decode import ChunkDecoder
 
+from .conftest import AUTH
+
 
 @pytest.fixture(scope="module")
 def q8(make_kv):
@@ -163,23 +165,23 @@ def test_wrong_frame_size_raises_corrupt(q8, lossless_stream):
 def _rewrap(data: bytes, payload: bytes) -> bytes:
     """The same chunk with another payload, its section digests recomputed (as a store would
     serve a bitstream damaged before it was wrapped)."""
-    chunk = container.parse(data)
+    chunk = container.parse(data, AUTH)
     chunk.sections["payload"] = payload
-    return chunk.to_bytes()
+    return chunk.to_bytes(AUTH)
 
 
 @pytest.mark.parametrize("damage", ["garble", "cut-0.9", "cut-0.99"])
 def test_damaged_bitstream_that_still_decodes_is_caught_by_the_planes_digest(damage, kv):
     scheme = get_scheme("lossless8")
-    data = ChunkEncoder(scheme, "model-x").encode(kv, "k0", 0, 0)
-    payload = bytearray(container.parse(data).sections["payload"])
+    data = ChunkEncoder(scheme, "model-x", auth=AUTH).encode(kv, "k0", 0, 0)
+    payload = bytearray(container.parse(data, AUTH).sections["payload"])
     if damage == "garble":
         for i in range(200, len(payload), 50):
             payload[i] ^= 0xFF
     else:
         payload = payload[: int(len(payload) * float(damage.split("-")[1]))]
     with pytest.raises(CorruptChunk):
-        ChunkDecoder("model-x").decode(_rewrap(data, bytes(payload)), key="k0")
+        ChunkDecoder("model-x", auth=AUTH).decode(_rewrap(data, bytes(payload)), key="k0")
 
 
 def test_make_decoder_names():

@@ -14,10 +14,12 @@ from kvcodec.layout import get_layout
 from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import restore
 
+from .conftest import AUTH
+
 
 def _roundtrip(scheme, kv):
-    blob = ChunkEncoder(scheme, "m").encode(kv, "k", 0, 0)
-    d = ChunkDecoder("m").decode(blob, key="k")
+    blob = ChunkEncoder(scheme, "m", auth=AUTH).encode(kv, "k", 0, 0)
+    d = ChunkDecoder("m", auth=AUTH).decode(blob, key="k")
     return blob, d, restore(d)
 
 
@@ -69,20 +71,20 @@ def test_ans_codec_is_lossless_on_any_planes():
 
 
 def _rewrap(blob: bytes, payload: bytes) -> bytes:
-    c = container.parse(blob)
+    c = container.parse(blob, AUTH)
     c.sections[PAYLOAD] = payload
-    return container.Container(c.header, c.sections).to_bytes()
+    return container.Container(c.header, c.sections).to_bytes(AUTH)
 
 
 def test_cachegen_refuses_corrupt_distribution_tables(kv):
-    blob = ChunkEncoder(get_scheme("cachegen"), "m").encode(kv, "k", 0, 0)
-    payload = bytearray(container.parse(blob).sections[PAYLOAD])
+    blob = ChunkEncoder(get_scheme("cachegen"), "m", auth=AUTH).encode(kv, "k", 0, 0)
+    payload = bytearray(container.parse(blob, AUTH).sections[PAYLOAD])
     bad_header = bytes(payload[:4]) + (7).to_bytes(4, "little") + bytes(payload[8:])
     bad_table = bytes(payload[:20]) + bytes([payload[20] ^ 0xFF]) + bytes(payload[21:])
     bad_words = bytes(payload[:-8]) + bytes(8)
     for bad in (bad_header, bad_table, bad_words, bytes(payload[:-4])):
         with pytest.raises(CorruptChunk):
-            ChunkDecoder("m").decode(_rewrap(blob, bad), key="k")
+            ChunkDecoder("m", auth=AUTH).decode(_rewrap(blob, bad), key="k")
 
 
 @pytest.mark.parametrize("name", ["nlevel-zstd", "cachegen"])

@@ -24,6 +24,8 @@ from kvcodec.serving.fetch import Fetcher
 from kvcodec.serving.restore import RestoreStep, descriptor
 from kvcodec.store import KVStore
 
+from .conftest import AUTH
+
 MODEL = "org/tiny@abc123"
 CHUNK = 256
 N_CHUNKS = 3
@@ -45,7 +47,7 @@ def encoded(context):
     out = {}
     for name in ("lossless8", "int8-zstd", "raw"):
         scheme = get_scheme(name)
-        enc = ChunkEncoder(scheme, MODEL)
+        enc = ChunkEncoder(scheme, MODEL, auth=AUTH)
         keys = chunk_keys(ids, MODEL, scheme.identity, CHUNK)[:N_CHUNKS]
         out[name] = [(key, enc.encode(kv[:, :, :, i * CHUNK:(i + 1) * CHUNK], key, i, i * CHUNK))
                      for i, key in enumerate(keys)]
@@ -72,7 +74,7 @@ def wire(info: ChunkInfo) -> ChunkInfo:
 
 
 def through_steps(fetched, decode: Optional[DecodeStep] = None, restore: Optional[RestoreStep] = None):
-    decode = decode or DecodeStep(MODEL)
+    decode = decode or DecodeStep(MODEL, auth=AUTH)
     restore = restore or RestoreStep()
     out = []
     for info, data in fetched:
@@ -306,7 +308,7 @@ def test_a_chunk_under_the_wrong_key_is_foreign(memory_store, context, encoded):
 def test_a_chunk_of_the_wrong_length_is_foreign(memory_store, context, encoded):
     ids, kv = context
     keys = ingest(memory_store, encoded, "int8-zstd")
-    short = ChunkEncoder(get_scheme("int8-zstd"), MODEL).encode(kv[:, :, :, CHUNK:CHUNK + 128], keys[1], 1, CHUNK)
+    short = ChunkEncoder(get_scheme("int8-zstd"), MODEL, auth=AUTH).encode(kv[:, :, :, CHUNK:CHUNK + 128], keys[1], 1, CHUNK)
     memory_store.put(keys[1], short)
     restored = through_steps(fetcher(memory_store).fetch(ids, "s"))
     assert restored[1][0].status == "foreign" and "128 tokens" in restored[1][0].reason
@@ -316,14 +318,14 @@ def test_a_chunk_of_the_wrong_length_is_foreign(memory_store, context, encoded):
 def test_decode_step_uses_the_model_it_was_made_for(memory_store, context, encoded):
     ids, _ = context
     ingest(memory_store, encoded, "int8-zstd")
-    restored = through_steps(fetcher(memory_store).fetch(ids, "s"), decode=DecodeStep("org/other@abc123"))
+    restored = through_steps(fetcher(memory_store).fetch(ids, "s"), decode=DecodeStep("org/other@abc123", auth=AUTH))
     assert [i.status for i, _ in restored] == ["foreign"] * N_CHUNKS
     assert assemble(restored).past_kv is None
 
 
 def test_steps_pass_a_failed_chunk_through_untouched():
     info = ChunkInfo("s", 1, 3, key="k").fail("miss", "gone")
-    decoded = DecodeStep(MODEL).run(info, b"whatever")
+    decoded = DecodeStep(MODEL, auth=AUTH).run(info, b"whatever")
     assert info.status == "miss" and decoded.planes.size == 0 and decoded.header is None
     kv = RestoreStep().run(info, decoded)
     assert info.status == "miss" and info.reason == "gone" and kv.size == 0 and kv.ndim == 5

@@ -16,7 +16,7 @@ from kvcodec.profiles.rope import rope, unrope
 from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import restore
 
-from .conftest import THETA, TINY_PROFILE, on_tiny_profile, structured_kv
+from .conftest import AUTH, THETA, TINY_PROFILE, on_tiny_profile, structured_kv
 
 
 def test_unrope_inverts_rope_at_any_position():
@@ -77,8 +77,8 @@ def test_coarser_steps_store_fewer_bytes_and_chunks_restore_at_their_position(ti
     sizes = {}
     for step in (20, 100, 300):
         scheme = on_tiny_profile(get_scheme("transform-zstd", step))
-        blob = ChunkEncoder(scheme, "m").encode(kv, "k", 3, 768)
-        d = ChunkDecoder("m").decode(blob, key="k")
+        blob = ChunkEncoder(scheme, "m", auth=AUTH).encode(kv, "k", 3, 768)
+        d = ChunkDecoder("m", auth=AUTH).decode(blob, key="k")
         out = restore(d)
         assert out.shape == kv.shape
         assert np.abs(out.astype(np.float32) - kv).max() < 0.5

@@ -5,10 +5,20 @@ Layout::
     b"KVCC" | u16 format version | u32 header length | header (UTF-8 JSON) | sections...
 
 The header holds the geometry, the codec and layout identity, the model identity, the key, the
-quantization side data's place, and for each section its length and BLAKE2b digest. The header
-itself is covered by a digest kept in its own field (computed with that field empty).
-``parse`` checks magic, version, lengths and every digest, and raises ``CorruptChunk`` on any
-mismatch: a container that parses is exactly what was written.
+quantization side data's place, and for each section its length and BLAKE2b digest. Two fields
+cover the header itself:
+
+- ``tag``: the keyed authentication tag of ``format.auth`` over the canonical JSON with both
+  fields empty (``key_id`` names the key), so only a writer holding the deployment's key makes
+  chunks a reader accepts;
+- ``header_digest``: an unkeyed BLAKE2b digest of the canonical JSON with only itself empty (the
+  tag included), which tells a damaged header, tag included (corrupt), from a chunk written with
+  another key (foreign).
+
+``parse(data, auth)`` checks magic, version, lengths, the header digest (``CorruptChunk``), the
+tag (``ForeignChunk``: another key, or altered by someone without it) and every section's digest
+(``CorruptChunk``): a container that parses is exactly what a holder of the key wrote. Format
+version 1 (no tag) is foreign to this build.
 """
 from __future__ import annotations
 
@@ -19,15 +29,21 @@ from dataclasses import dataclass, field
 from typing import Any, Dict
 
 from ..errors import CorruptChunk, ForeignChunk
+from .auth import ChunkAuth
 
 MAGIC = b"KVCC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_COVER = ("tag", "header_digest")  # the fields that cover the header, empty while it is hashed
 _PREFIX = struct.Struct("<4sHI")
 _MAX_HEADER = 1 << 20
 
 
 def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _canonical(header: Dict[str, Any], *empty: str) -> bytes:
+    return json.dumps(dict(header, **{k: "" for k in empty}), sort_keys=True).encode()
 
 
 @dataclass
@@ -38,13 +54,15 @@ class Container:
     sections: Dict[str, bytes] = field(default_factory=dict)
     digests: Dict[str, str] = field(default_factory=dict)  # per section, as verified by ``parse``
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, auth: ChunkAuth) -> bytes:
+        """The container's bytes, signed with ``auth``."""
         header = dict(self.header)
         header["sections"] = [
             {"name": name, "length": len(data), "digest": _digest(data)} for name, data in self.sections.items()
         ]
-        header["header_digest"] = ""
-        header["header_digest"] = _digest(json.dumps(header, sort_keys=True).encode())
+        header["key_id"] = auth.key_id
+        header["tag"] = auth.tag(_canonical(header, *_COVER))
+        header["header_digest"] = _digest(_canonical(header, "header_digest"))
         blob = json.dumps(header, sort_keys=True).encode()
         parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)), blob]
         parts.extend(self.sections.values())
@@ -63,8 +81,9 @@ class Container:
                 raise ForeignChunk(f"chunk {name} is {got!r}, expected {want!r}")
 
 
-def parse(data) -> Container:
-    """Parse and verify a container; ``CorruptChunk`` on anything wrong.
+def parse(data, auth: ChunkAuth) -> Container:
+    """Parse and verify a container: ``CorruptChunk`` on anything damaged, ``ForeignChunk`` on a
+    chunk ``auth`` did not sign (or another format version).
 
     ``data`` is any buffer (bytes, a numpy array...). Sections are zero-copy ``memoryview``s of it,
     valid while ``data`` is: the caller keeps it alive, or copies what it keeps.
@@ -90,9 +109,11 @@ def parse(data) -> Container:
             raise TypeError("header or section table is not what the format says")
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptChunk(f"chunk header unreadable: {exc}") from None
-    check = dict(header, header_digest="")
-    if _digest(json.dumps(check, sort_keys=True).encode()) != stored_digest:
+    if _digest(_canonical(header, "header_digest")) != stored_digest:
         raise CorruptChunk("chunk header checksum mismatch")
+    if not auth.verify(_canonical(header, *_COVER), header.get("tag")):
+        raise ForeignChunk(f"chunk is not signed with this deployment's key (written with key "
+                           f"{str(header.get('key_id'))[:16]!r}, this key is {auth.key_id!r})")
     offset = _PREFIX.size + header_len
     sections: Dict[str, memoryview] = {}
     digests: Dict[str, str] = {}
@@ -114,5 +135,5 @@ def parse(data) -> Container:
         offset = end
     if offset != len(data):
         raise CorruptChunk(f"{len(data) - offset} trailing bytes after the last section")
-    header = {k: v for k, v in header.items() if k not in ("sections", "header_digest")}
+    header = {k: v for k, v in header.items() if k not in ("sections", "key_id") + _COVER}
     return Container(header, sections, digests)

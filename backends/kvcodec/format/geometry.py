@@ -34,10 +34,10 @@ class Geometry:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Geometry":
-        try:
-            return cls(**{k: int(d[k]) for k in ("layers", "kv_heads", "head_dim", "tokens")})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptChunk(f"bad geometry in chunk header: {d!r}") from exc
+        values = {k: d.get(k) if isinstance(d, dict) else None for k in ("layers", "kv_heads", "head_dim", "tokens")}
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
+            raise CorruptChunk(f"bad geometry in chunk header: {d!r}"[:300])
+        return cls(**values)
 
     @classmethod
     def of(cls, kv: np.ndarray) -> "Geometry":

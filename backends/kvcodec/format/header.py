@@ -55,10 +55,8 @@ def _params(d: Mapping[str, Any], name: str) -> Dict[str, Any]:
 
 
 def planes_shape_of(value: Any) -> Tuple[int, int, int]:
-    try:
-        shape = tuple(int(v) for v in value)
-    except (TypeError, ValueError):
-        shape = ()
+    ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    shape = tuple(value) if ok else ()
     if len(shape) != 3 or min(shape) <= 0 or max(shape[1:]) > MAX_PLANE_SIDE:
         raise CorruptChunk(f"bad planes shape in chunk header: {value!r}")
     return shape  # type: ignore[return-value]
@@ -98,7 +96,7 @@ class ChunkHeader:
             raise CorruptChunk(f"bad geometry in chunk header: {d.get('geometry')!r}")
         shape = planes_shape_of(d.get("planes_shape"))
         dtype_name = d.get("planes_dtype", "uint8")
-        if dtype_name not in PLANE_DTYPES:
+        if not isinstance(dtype_name, str) or dtype_name not in PLANE_DTYPES:
             raise CorruptChunk(f"bad planes dtype in chunk header: {dtype_name!r}")
         values = g.layers * 2 * g.kv_heads * g.tokens * g.head_dim
         if int(np.prod(shape)) > PLANES_PER_KV_VALUE * values:

@@ -209,8 +209,8 @@ class PcaVideo(PcaUniform):
     def _inverse_order(side: Dict[str, bytes], tokens: int) -> np.ndarray:
         try:
             order = np.frombuffer(side["pca_order"], dtype="<u2").astype(np.int64)
-        except KeyError:
-            raise CorruptChunk("pca10 side data has no token order") from None
+        except (KeyError, ValueError) as exc:
+            raise CorruptChunk(f"pca10 side data has no readable token order: {exc}") from None
         if order.size != tokens or not np.array_equal(np.sort(order), np.arange(tokens)):
             raise CorruptChunk("pca10 token order is not a permutation of the chunk's tokens")
         inverse = np.empty_like(order)

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +60,8 @@ def _search_dirs() -> Iterable[Path]:
 
 
 def find_profile(name: str) -> Path:
-    if not name or "/" in name or name.startswith("."):
-        raise ConfigError(f"bad codec profile name {name!r}")
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
+        raise ConfigError(f"bad codec profile name {str(name)[:80]!r}")
     for d in _search_dirs():
         path = d / f"{name}.npz"
         if path.is_file():

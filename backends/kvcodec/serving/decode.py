@@ -1,11 +1,11 @@
 """Step ``kv_decode``: chunk bytes -> verified, typed planes and the restore descriptor.
 
 ``ChunkDecoder.decode(data, key)`` parses the container (zero-copy: sections are views of
-``data``), checks model and key, reads the header once into a ``ChunkHeader``, decodes the
+``data``) and verifies its authentication tag (``format.auth``), checks model and key, reads the header once into a ``ChunkHeader``, decodes the
 payload with the scheme's bitstream coder (one coder object per scheme, made on first use) and
 checks the planes against the digest taken at ingest (hashed from the array's buffer). It raises
-``CorruptChunk`` (checksum, header, bitstream, digest) or ``ForeignChunk`` (another model, key, or
-a codec identity this build does not read).
+``CorruptChunk`` (checksum, header, bitstream, digest) or ``ForeignChunk`` (not signed with this
+deployment's key, another model, key, or a codec identity this build does not read).
 
 ``DecodeStep.run(info, data)`` is the step's whole job: it never raises for a bad chunk; it marks
 the ``ChunkInfo`` failed (a miss from that chunk on) and returns empty planes.
@@ -27,7 +27,9 @@ from ..bitstream import BitstreamCoder
 from ..encode import PAYLOAD, make_coder, planes_digest
 from ..errors import ChunkError, CorruptChunk, ForeignChunk, KVCodecError
 from ..format import container
+from ..format.auth import ChunkAuth
 from ..format.codecs import SCHEMES
+from ..format.geometry import Geometry
 from ..format.header import ChunkHeader
 from .chunkinfo import ChunkInfo
 
@@ -50,10 +52,16 @@ def status_of(exc: Exception) -> str:
 
 
 class ChunkDecoder:
-    """Decodes chunks of any registered scheme; one coder object per scheme, made on first use."""
+    """Decodes chunks of any registered scheme that ``auth``'s key signed; one coder object per
+    scheme, made on first use."""
 
-    def __init__(self, model_id: str, decoder: str = "pyav", threads: int = 1) -> None:
+    def __init__(self, model_id: str, *, auth: ChunkAuth, decoder: str = "pyav", threads: int = 1,
+                 geometry: Optional[Geometry] = None) -> None:
+        """``geometry``: the KV geometry of one chunk of this model (its card's, at the chunk size);
+        a chunk of another geometry is foreign, refused before anything is allocated for it."""
         self.model_id = model_id
+        self.auth = auth
+        self.geometry = geometry
         self._runtime = {"decoder": decoder, "threads": threads}
         self._codecs: Dict[str, BitstreamCoder] = {}
 
@@ -68,12 +76,12 @@ class ChunkDecoder:
                 raise ForeignChunk(f"chunk codec {identity!r} is not one this build reads")
             try:
                 self._codecs[identity] = make_coder(scheme, **self._runtime)
-            except TypeError as exc:
-                raise ForeignChunk(f"chunk codec settings {header.codec_params!r} not understood: {exc}") from None
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ForeignChunk(f"chunk codec settings {header.codec_params!r} not understood: {exc}"[:300]) from None
         return self._codecs[identity]
 
     def decode(self, data: Any, key: Optional[str] = None) -> Decoded:
-        chunk = container.parse(data)
+        chunk = container.parse(data, self.auth)
         chunk.expect(model_id=self.model_id)
         if key is not None:
             chunk.expect(key=key)
@@ -83,6 +91,9 @@ class ChunkDecoder:
         if PAYLOAD not in chunk.sections:
             raise CorruptChunk("chunk has no payload")
         header = ChunkHeader.from_dict(chunk.header)
+        if self.geometry is not None and header.geometry != self.geometry:
+            raise ForeignChunk(f"chunk geometry {header.geometry.to_dict()} is not this model's "
+                               f"{self.geometry.to_dict()}")
         coder = self._codec_for(header)
         planes = coder.decode(chunk.sections[PAYLOAD], header.planes_shape)
         if planes.dtype != header.planes_dtype or planes.shape != header.planes_shape:
@@ -105,8 +116,9 @@ class ChunkDecoder:
 class DecodeStep:
     """Bitstream -> planes. Holds one decoder per codec, made once."""
 
-    def __init__(self, model_id: str, decoder: str = "pyav", threads: int = 1) -> None:
-        self.decoder = ChunkDecoder(model_id, decoder=decoder, threads=threads)
+    def __init__(self, model_id: str, *, auth: ChunkAuth, decoder: str = "pyav", threads: int = 1,
+                 geometry: Optional[Geometry] = None) -> None:
+        self.decoder = ChunkDecoder(model_id, auth=auth, decoder=decoder, threads=threads, geometry=geometry)
 
     def run(self, info: ChunkInfo, data: Any) -> Decoded:
         """``data``: the chunk's bytes (any buffer: bytes, a numpy array). Marks ``info``."""

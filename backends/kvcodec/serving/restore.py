@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from ..errors import CorruptChunk, ForeignChunk, KVCodecError, Unsupported
+from ..errors import ConfigError, CorruptChunk, ForeignChunk, KVCodecError, Unsupported
 from ..format.header import ChunkHeader
 from ..layout import Layout, get_layout
 from .chunkinfo import ChunkInfo
@@ -35,9 +35,9 @@ def _layout(header: ChunkHeader) -> Layout:
             layout = get_layout(header.layout, **header.layout_params)
         except Unsupported:
             raise ForeignChunk(f"chunk layout {header.layout!r} is not one this build reads") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ForeignChunk(f"chunk layout {header.layout} settings {header.layout_params!r} not understood: "
-                               f"{exc}") from None
+                               f"{exc}"[:300]) from None
         _LAYOUTS[cache_key] = layout
     if header.layout_version != layout.version:
         raise ForeignChunk(f"chunk layout {header.layout} v{header.layout_version}, this build reads v{layout.version}")
@@ -53,9 +53,16 @@ def restore(decoded: Decoded) -> np.ndarray:
     if planes.dtype != header.planes_dtype or tuple(planes.shape) != header.planes_shape:
         raise CorruptChunk(f"planes are {planes.dtype}{list(planes.shape)}, the header's shape is "
                            f"{header.planes_dtype}{list(header.planes_shape)}")
-    if layout.needs_positions:
-        return layout.from_planes(planes, decoded.side, header.geometry, token_start=header.token_start)
-    return layout.from_planes(planes, decoded.side, header.geometry)
+    at = {"token_start": header.token_start} if layout.needs_positions else {}
+    try:
+        kv = layout.from_planes(planes, decoded.side, header.geometry, **at)
+    except ConfigError as exc:  # e.g. a codec profile this build does not ship
+        raise ForeignChunk(f"chunk layout {header.layout} settings not understood: {exc}") from None
+    # float16 with every exponent bit set is inf or NaN: side data that parses but does not make
+    # finite KV (a writer's bug) is a corrupt chunk, never KV (0.3 ms a chunk, against 4 for isfinite)
+    if ((kv.view(np.uint16) & 0x7C00) == 0x7C00).any():
+        raise CorruptChunk("restored KV holds values that are not finite")
+    return kv
 
 
 # -- the wire form between the kv_decode and kv_restore steps --------------------------------------

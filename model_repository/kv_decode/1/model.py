@@ -7,6 +7,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kvcodec.engines import model_card
+from kvcodec.format.auth import load_auth
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.decode import DecodeStep
 from kvcodec.serving.restore import descriptor
@@ -21,7 +22,8 @@ class TritonPythonModel:
     def initialize(self, args):
         self.settings = Settings.load(model_parameters(args))
         card = model_card(self.settings)  # the model's identity only: nothing is loaded or converted
-        self.step = DecodeStep(card.model_id, decoder=self.settings.decoder, threads=max(1, self.settings.threads))
+        self.step = DecodeStep(card.model_id, auth=load_auth(self.settings.key_file), decoder=self.settings.decoder,
+                               threads=max(1, self.settings.threads), geometry=card.geometry(self.settings.chunk_tokens))
 
     def execute(self, requests):
         responses = []
