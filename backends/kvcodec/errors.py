@@ -43,5 +43,9 @@ class StoreUnavailable(KVCodecError, ConnectionError):
     """The store cannot be reached or refused the operation."""
 
 
+class StoreTimeout(StoreUnavailable):
+    """The store did not answer within the request's fetch deadline."""
+
+
 class Unsupported(KVCodecError, NotImplementedError):
     """A codec, decoder or store backend is not available here."""

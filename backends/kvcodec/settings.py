@@ -19,6 +19,7 @@ name the field and the value.
 | link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
 | key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
+| fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: a request's store calls end by then; the rest is computed |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
@@ -52,6 +53,7 @@ class Settings:
     deadline_s: float = 0.0
     engine: str = "transformers"
     key_file: Path = Path(".cache/chunk.key")
+    fetch_timeout_s: float = 20.0
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -93,13 +95,14 @@ class Settings:
         link_mbps = _float("link_mbps", raw("link_mbps") or "1000", minimum=0.001)
         deadline_s = _float("deadline_s", raw("deadline_s") or "0", minimum=0.0)
         key_file = Path(raw("key_file") or home / "chunk.key").expanduser().resolve()
+        fetch_timeout_s = _float("fetch_timeout_s", raw("fetch_timeout_s") or "20", minimum=0.001)
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
         if engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
-                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file)
+                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file, fetch_timeout_s)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -116,6 +119,7 @@ class Settings:
             "KVCODEC_DEADLINE_S": repr(self.deadline_s),
             "KVCODEC_ENGINE": self.engine,
             "KVCODEC_KEY_FILE": str(self.key_file),
+            "KVCODEC_FETCH_TIMEOUT_S": repr(self.fetch_timeout_s),
         }
 
 

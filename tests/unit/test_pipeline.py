@@ -6,6 +6,8 @@ steps the ``ChunkInfo`` goes through its JSON form, as it does over Triton.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from typing import Optional
 
 import numpy as np
@@ -391,3 +393,54 @@ def test_assembler_keeps_sessions_within_ttl(monkeypatch):
     assert assembler.add(ChunkInfo("b", 0, 2, tokens=8), kv) is None  # 111: "a" is 11 s old
     assert len(assembler) == 1
     assert list(assembler._pending) == ["b"]
+
+
+# -- the fetch deadline -------------------------------------------------------------------------
+
+class HungStore(ScriptedStore):
+    """A store whose calls for chosen keys (or every look-up) block until released: a hung server."""
+
+    def __init__(self, data, hang_get=(), hang_exists=False):
+        super().__init__(data)
+        self.hang_get, self.hang_exists = set(hang_get), hang_exists
+        self.release = threading.Event()
+
+    def exists(self, key):
+        if self.hang_exists:
+            self.release.wait(30)
+        return super().exists(key)
+
+    def get(self, key):
+        if key in self.hang_get:
+            self.release.wait(30)
+        return super().get(key)
+
+
+def test_a_hung_chunk_read_ends_reuse_at_the_deadline(context, encoded):
+    ids, _ = context
+    data = dict(encoded["int8-zstd"])
+    keys = [k for k, _ in encoded["int8-zstd"]]
+    store = HungStore(data, hang_get=[keys[1]])
+    f = Fetcher(store, MODEL, ["int8-zstd"], CHUNK, timeout_s=0.5)
+    t0 = time.monotonic()
+    fetched = list(f.fetch(ids, "s"))
+    took = time.monotonic() - t0
+    store.release.set()
+    f.close()
+    assert [i.status for i, _ in fetched] == ["ok", "timeout", "miss"]
+    assert "within the fetch deadline of 0.5s" in fetched[1][0].reason
+    assert 0.4 < took < 2.0, took  # the request waits for the deadline, not for the hung call
+    assert assemble(through_steps(fetched)).reused_tokens == CHUNK
+
+
+def test_a_hung_lookup_is_a_timed_out_prefill(context, encoded):
+    ids, _ = context
+    store = HungStore(dict(encoded["int8-zstd"]), hang_exists=True)
+    f = Fetcher(store, MODEL, ["int8-zstd"], CHUNK, timeout_s=0.3)
+    t0 = time.monotonic()
+    (info, data), = list(f.fetch(ids, "s"))
+    took = time.monotonic() - t0
+    store.release.set()
+    f.close()
+    assert info.count == 0 and data == b"" and "store lookup timed out" in info.reason
+    assert took < 1.5, took

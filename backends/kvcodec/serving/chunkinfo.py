@@ -6,8 +6,10 @@ string. ``count == 0`` marks a request with nothing to reuse (one record is stil
 model step runs).
 
 Status values: ``ok``; ``none`` (nothing stored or reuse disabled); ``miss`` (gone between lookup
-and fetch); ``recompute`` (the fetcher found computing the rest faster than fetching it); ``corrupt`` (checksum, header or decode failed); ``foreign`` (another model, codec or
-key); ``error`` (anything else on the server). Anything but ``ok`` is a miss from that chunk on.
+and fetch); ``recompute`` (the fetcher found computing the rest faster than fetching it);
+``timeout`` (the store did not answer within the request's fetch deadline); ``corrupt`` (checksum,
+header or decode failed); ``foreign`` (not signed with this deployment's key, another model, codec
+or key); ``error`` (anything else on the server). Anything but ``ok`` is a miss from that chunk on.
 """
 from __future__ import annotations
 

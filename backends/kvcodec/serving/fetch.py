@@ -17,16 +17,21 @@ it yields one ``count == 0`` record when there is nothing to reuse. Two policies
   stops (status ``recompute``) when recomputing is faster, as CacheGen does. Each choice is
   written into the chunk's ``ChunkInfo.choice``.
 
-A store error mid-way becomes a failed chunk (a miss from there on), never an exception.
+A store error mid-way becomes a failed chunk (a miss from there on), never an exception. So does
+time: every store call of a request runs against one deadline, ``timeout_s`` after the request
+came (the look-up too); a store that does not answer in time (hung, or slower than the deadline)
+ends reuse at that chunk with status ``timeout``, and the model computes the rest. The call itself
+runs on the probe pool and is left to its own socket timeout; the request does not wait for it.
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..errors import KVCodecError
+from ..errors import KVCodecError, StoreTimeout
 from ..format.codecs import Scheme
 from ..format.keys import chunk_keys, reusable_chunks
 from ..format.ladder import parse_ladder, rung_name
@@ -78,7 +83,7 @@ class Estimate:
 class Fetcher:
     def __init__(self, store: KVStore, model_id: str, codecs: Sequence[str], chunk_tokens: int,
                  costs: Optional[CostModel] = None, adaptive: bool = False, deadline_s: float = 0.0,
-                 profile: Optional[str] = None) -> None:
+                 profile: Optional[str] = None, timeout_s: float = 20.0) -> None:
         self.store = store
         self.model_id = model_id
         self.profile = profile  # the model's codec profile (from its engine's model card)
@@ -87,18 +92,26 @@ class Fetcher:
         self.costs = costs or CostModel()
         self.adaptive = adaptive
         self.deadline_s = deadline_s
+        self.timeout_s = timeout_s  # the hard limit on a request's store calls (``fetch_timeout_s``)
         self._pool = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="kv-probe")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 
     # -- plan --------------------------------------------------------------------------------
-    def plan(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None) -> Plan | None:
+    def plan(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None,
+             deadline: Optional[float] = None) -> Plan | None:
+        """``deadline``: a ``time.monotonic()`` by which the look-up must be done (``StoreTimeout`` after)."""
         limit = reusable_chunks(len(ids), self.chunk_tokens)
         schemes = list(schemes or self.schemes)
         all_keys = [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit) for s in schemes]
         flat = [k for keys in all_keys for k in keys]
-        present = dict(zip(flat, self._pool.map(self.store.exists, flat), strict=True)) if flat else {}
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            found = list(self._pool.map(self.store.exists, flat, timeout=timeout)) if flat else []
+        except FutureTimeout:
+            raise StoreTimeout(f"the store did not answer the look-up within {self.timeout_s:g}s") from None
+        present = dict(zip(flat, found, strict=True))
         runs = []
         for scheme, keys in zip(schemes, all_keys, strict=True):
             n = 0
@@ -151,11 +164,14 @@ class Fetcher:
               codecs: Optional[Sequence[str]] = None) -> Iterator[Tuple[ChunkInfo, bytes]]:
         """``codecs``: rung specs for this request only (a static choice among them)."""
         t_request = time.time()
+        deadline = time.monotonic() + self.timeout_s
         adaptive = self.adaptive and not codecs
         try:
             schemes = parse_ladder(list(codecs), self.profile) if codecs else None
-            plan = self.plan(ids, schemes) if reuse else None
+            plan = self.plan(ids, schemes, deadline) if reuse else None
             reason = "" if reuse else "reuse disabled by the request"
+        except StoreTimeout as exc:
+            plan, reason = None, f"store lookup timed out: {exc}"
         except KVCodecError as exc:
             plan, reason = None, f"store lookup failed: {exc}"
         if plan is None:
@@ -172,15 +188,18 @@ class Fetcher:
             data = b""
             if failed:
                 info.fail("miss", "an earlier chunk failed")
+            elif time.monotonic() >= deadline:
+                info.fail("timeout", f"the fetch deadline of {self.timeout_s:g}s passed")
             elif adaptive and (why := self._recompute_reason(plan, i)):
                 info.fail("recompute", why)
             else:
-                data = self._fetch_chunk(info, plan, i, adaptive, t_request)
+                data = self._fetch_chunk(info, plan, i, adaptive, t_request, deadline)
             failed = not info.ok
             info.t["sent"] = time.time()
             yield info, data
 
-    def _fetch_chunk(self, info: ChunkInfo, plan: Plan, i: int, adaptive: bool, t_request: float) -> bytes:
+    def _fetch_chunk(self, info: ChunkInfo, plan: Plan, i: int, adaptive: bool, t_request: float,
+                     deadline: float) -> bytes:
         if adaptive:
             estimates = self.estimates(plan, i)
             budget = self.deadline_s - (time.time() - t_request) if self.deadline_s > 0 else None
@@ -196,7 +215,11 @@ class Fetcher:
             info.scheme, info.scheme_id, info.key = scheme.name, scheme.identity, key
             t_get = time.perf_counter()
             try:
-                data = self.store.get(key) or b""
+                call = self._pool.submit(self.store.get, key)
+                data = call.result(timeout=max(0.0, deadline - time.monotonic())) or b""
+            except FutureTimeout:
+                errors.append(f"timeout: the store did not answer within the fetch deadline of {self.timeout_s:g}s")
+                break  # no time left for another rung
             except KVCodecError as exc:
                 errors.append(f"error: store: {exc}")
                 continue

@@ -40,7 +40,7 @@ class TritonPythonModel:
         costs = for_settings(self.settings, self.card.geometry(1).fp16_bytes)
         self.fetcher = Fetcher(self.store, self.card.model_id, self.settings.ladder, self.settings.chunk_tokens,
                                costs=costs, adaptive=self.settings.adaptive, deadline_s=self.settings.deadline_s,
-                               profile=self.card.codec_profile)
+                               profile=self.card.codec_profile, timeout_s=self.settings.fetch_timeout_s)
 
     def _parse(self, request) -> Request:
         ids = get_array(request, "input_ids", np.int32, ndim=1)
