@@ -128,7 +128,7 @@ def faulty(settings, tokenizer, tmp_path_factory):
     ids = tokenizer.encode(text + QUESTION)
     prefill = client.generate(ids, 4, reuse=False)
     try:
-        yield store, client, ids, prefill
+        yield store, client, ids, prefill, f"http://127.0.0.1:{metrics}/metrics"
     finally:
         server.stop()
         store.close()
@@ -143,7 +143,7 @@ def faulty(settings, tokenizer, tmp_path_factory):
     ("short_get", 0, "chunk 0: error"),
 ])
 def test_a_store_fault_falls_back_to_prefill_within_the_deadline(faulty, mode, chunks_used, reason):
-    store, client, ids, prefill = faulty
+    store, client, ids, prefill, _ = faulty
     store.mode, store.gets = mode, 0
     t0 = time.monotonic()
     result = client.generate(ids, 4, reuse=True)
@@ -156,3 +156,25 @@ def test_a_store_fault_falls_back_to_prefill_within_the_deadline(faulty, mode, c
     assert took < FETCH_TIMEOUT_S + 3 * prefill.ttft_s + 5, took
     healthy = client.generate(ids, 2, reuse=True)  # the server is fine afterwards
     assert healthy.reused_tokens == 768
+
+
+def test_metrics_count_the_fallbacks_by_reason_and_time_the_stages(faulty):
+    """After the fault tests: the dashboard's view of them, read from the metrics port."""
+    import urllib.request
+
+    *_, url = faulty
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("kvcodec_"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values['kvcodec_misses_total{reason="timeout"}'] >= 1  # hang_get
+    assert values['kvcodec_misses_total{reason="none"}'] >= 1  # hang_all: the look-up timed out
+    assert values['kvcodec_misses_total{reason="error"}'] >= 3  # 500, reset, short body
+    assert values['kvcodec_requests_total{outcome="partial"}'] >= 1  # reset after the first chunk
+    for name in ("ttft", "fetch", "decode", "restore"):
+        assert values[f"kvcodec_{name}_seconds_count"] >= 7, name
+        assert f'kvcodec_{name}_seconds_bucket{{le="+Inf"}}' in values
+    assert values["kvcodec_fetch_seconds_sum"] > 0

@@ -200,3 +200,13 @@ def test_overlap_counts_work_done_while_a_transfer_ran():
 
 def test_overlap_of_nothing_is_zero():
     assert overlap([ChunkInfo("s", 0, 0, status="none")]).bound_s == 0.0
+
+
+def test_miss_status_names_why_reuse_stopped():
+    assert RequestStats(reused_tokens=512, chunks_used=2, chunks=[{"status": "ok"}] * 2).miss_status == ""
+    partial = RequestStats(reused_tokens=256, chunks_used=1, miss_reason="chunk 1: timeout: late",
+                           chunks=[{"status": "ok"}, {"status": "timeout"}, {"status": "miss"}])
+    assert partial.miss_status == "timeout" and partial.outcome == "partial"
+    assert RequestStats(miss_reason="no stored prefix", chunks=[{"status": "none"}]).miss_status == "none"
+    refused = RequestStats(chunks_used=2, miss_reason="restored KV does not fit this model", chunks=[{"status": "ok"}])
+    assert refused.miss_status == "unusable" and refused.outcome == "prefill"

@@ -76,6 +76,19 @@ class RequestStats:
         )
 
     @property
+    def miss_status(self) -> str:
+        """Why reuse stopped, as one word (a metrics label): the first failed chunk's status
+        (``timeout``, ``error``, ``corrupt``, ``foreign``, ``miss``, ``recompute``), ``none`` when
+        nothing was stored or reuse was off, ``unusable`` when the engine refused the restored KV,
+        '' when every planned chunk was used."""
+        if not self.miss_reason:
+            return ""
+        failed = next((c["status"] for c in self.chunks if c.get("status") != "ok"), "")
+        if failed:
+            return failed
+        return "unusable" if self.chunks_used else "none"
+
+    @property
     def outcome(self) -> str:
         """reuse | partial | prefill (the metrics label)."""
         if self.reused_tokens:

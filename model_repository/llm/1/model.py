@@ -67,11 +67,25 @@ def _safely(fn, *args):
         pass
 
 
+SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
 class _Metrics:
-    """Prometheus counters on the server's metrics endpoint (reuse and fallbacks)."""
+    """Prometheus metrics on the server's metrics endpoint: requests by outcome and by why reuse
+    stopped, reused tokens, fetched bytes, and histograms of each request's TTFT (server side) and
+    of its fetch, decode and restore seconds (README, "Metrics")."""
 
     def __init__(self):
         counter = pb_utils.MetricFamily.COUNTER
+        histogram = pb_utils.MetricFamily.HISTOGRAM
+        self.misses = pb_utils.MetricFamily("kvcodec_misses_total", "Requests whose reuse stopped short, by reason",
+                                            counter)
+        self._by_reason = {}
+        self._seconds = {}
+        for name, what in (("ttft", "Server time to first token"), ("fetch", "Store read seconds of a request"),
+                           ("decode", "Decode seconds of a request"), ("restore", "Restore seconds of a request")):
+            family = pb_utils.MetricFamily(f"kvcodec_{name}_seconds", what, histogram)
+            self._seconds[name] = (family, family.Metric(labels={}, buckets=SECONDS_BUCKETS))
         self.requests = pb_utils.MetricFamily("kvcodec_requests_total", "Requests answered, by outcome", counter)
         self.tokens = pb_utils.MetricFamily("kvcodec_reused_tokens_total", "Prompt tokens served from stored KV",
                                             counter)
@@ -87,3 +101,12 @@ class _Metrics:
         self._by_outcome[outcome].increment(1)
         self._tokens.increment(int(stats.reused_tokens))
         self._bytes.increment(int(stats.bytes_fetched))
+        reason = stats.miss_status
+        if reason:
+            if reason not in self._by_reason:
+                self._by_reason[reason] = self.misses.Metric(labels={"reason": reason})
+            self._by_reason[reason].increment(1)
+        for name, value in (("ttft", stats.server_ttft_s), ("fetch", stats.fetch_s), ("decode", stats.decode_s),
+                            ("restore", stats.restore_s)):
+            if value is not None:
+                self._seconds[name][1].observe(float(value))
