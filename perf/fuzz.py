@@ -74,18 +74,24 @@ class Report:
                 "findings": self.findings[:50]}
 
 
-def _kv(seed: int) -> np.ndarray:
-    """KV with a model's structure: a few dominant directions, channel offsets, keys rotated by RoPE."""
+def structured_kv(seed: int, layers: int, heads: int, tokens: int, dim: int, token_start: int = 0,
+                  theta: float = THETA) -> np.ndarray:
+    """KV whose vectors lie mostly in a few directions (as a model's do), keys rotated by RoPE at
+    their positions (as a model caches them). The unit tests' synthetic KV too."""
     from kvcodec.profiles.rope import rope
 
     rng = np.random.default_rng(seed)
-    c = HEADS * DIM
-    basis = np.linalg.qr(np.random.default_rng(99).standard_normal((LAYERS, 2, c, c)))[0]
-    coeff = rng.standard_normal((LAYERS, 2, TOKENS, c)) * np.exp(-np.arange(c) / 12.0)
+    c = heads * dim
+    basis = np.linalg.qr(np.random.default_rng(99).standard_normal((layers, 2, c, c)))[0]
+    coeff = rng.standard_normal((layers, 2, tokens, c)) * np.exp(-np.arange(c) / 12.0)
     x = np.einsum("lktj,lkcj->lktc", coeff, basis) + 0.3
-    kv = x.reshape(LAYERS, 2, TOKENS, HEADS, DIM).transpose(0, 1, 3, 2, 4).copy()
-    kv[:, 0] = rope(kv[:, 0], 0, THETA)
+    kv = x.reshape(layers, 2, tokens, heads, dim).transpose(0, 1, 3, 2, 4).copy()
+    kv[:, 0] = rope(kv[:, 0], token_start, theta)
     return kv.astype(np.float32)
+
+
+def _kv(seed: int) -> np.ndarray:
+    return structured_kv(seed, LAYERS, HEADS, TOKENS, DIM)
 
 
 def prepare_profile(folder: Path) -> None:

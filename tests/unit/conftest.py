@@ -15,7 +15,6 @@ from kvcodec.format.auth import ChunkAuth
 from kvcodec.format.codecs import Scheme
 from kvcodec.profiles import _CACHE as PROFILE_CACHE
 from kvcodec.profiles import fit_profile, save_profile
-from kvcodec.profiles.rope import rope
 from kvcodec.store.memory import MemoryStore
 
 LAYERS, KV_HEADS, TOKENS, HEAD_DIM = 4, 3, 256, 64
@@ -44,16 +43,10 @@ THETA = 100000.0
 
 def structured_kv(seed: int, layers: int = LAYERS, heads: int = KV_HEADS, tokens: int = TOKENS,
                   dim: int = HEAD_DIM, token_start: int = 0) -> np.ndarray:
-    """KV whose vectors lie mostly in a few directions (as a model's do), keys rotated by RoPE at
-    their positions (as a model caches them)."""
-    rng = np.random.default_rng(seed)
-    C = heads * dim
-    basis = np.linalg.qr(np.random.default_rng(99).standard_normal((layers, 2, C, C)))[0]
-    coeff = rng.standard_normal((layers, 2, tokens, C)) * np.exp(-np.arange(C) / 12.0)
-    X = np.einsum("lktj,lkcj->lktc", coeff, basis) + 0.3
-    kv = X.reshape(layers, 2, tokens, heads, dim).transpose(0, 1, 3, 2, 4).copy()
-    kv[:, 0] = rope(kv[:, 0], token_start, THETA)
-    return kv.astype(np.float32)
+    """KV whose vectors lie mostly in a few directions (``perf.fuzz.structured_kv``)."""
+    from perf.fuzz import structured_kv as make
+
+    return make(seed, layers, heads, tokens, dim, token_start, THETA)
 
 
 @pytest.fixture(scope="session")
