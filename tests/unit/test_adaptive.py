@@ -9,11 +9,10 @@ import pytest
 from kvcodec.errors import ConfigError
 from kvcodec.format.codecs import get_scheme
 from kvcodec.format.ladder import parse_ladder, parse_rung, rung_name
-from kvcodec.serving.assemble import overlap
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.costs import CostModel, record_request
 from kvcodec.serving.fetch import Fetcher
-from kvcodec.serving.stats import RequestStats
+from kvcodec.serving.stats import RequestStats, overlap
 
 from .test_pipeline import CHUNK, MODEL, N_CHUNKS, ScriptedStore, assemble, context, encoded, ingest, through_steps  # noqa: F401  (module fixtures)
 

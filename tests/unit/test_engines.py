@@ -22,7 +22,7 @@ class EchoEngine:
     """A second engine, as a user would add one: a class keeping the contract, one registry entry."""
 
     @classmethod
-    def card(cls, settings):
+    def model_card(cls, settings):
         return CARD
 
     @classmethod

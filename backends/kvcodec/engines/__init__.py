@@ -7,7 +7,7 @@ line and a class that keeps the contract below.
 
 Contract of an engine class:
 
-- ``Class.card(settings) -> ModelCard`` (classmethod, cheap: no weights loaded, nothing
+- ``Class.model_card(settings) -> ModelCard`` (classmethod, cheap: no weights loaded, nothing
   converted): the model's identity (bound into every chunk key), KV geometry, vocabulary size,
   context length and codec profile name. The steps that only fetch and decode (``kv_fetch``,
   ``kv_decode``) use this and never load the model.
@@ -83,7 +83,7 @@ ENGINES.register("transformers", "kvcodec.engines.transformers_engine:Transforme
 
 def model_card(settings) -> ModelCard:
     """The chosen engine's model card (cheap)."""
-    return ENGINES.get(settings.engine).card(settings)
+    return ENGINES.get(settings.engine).model_card(settings)
 
 
 def prepare(settings) -> None:

@@ -23,7 +23,7 @@ from .tokenizer import IncrementalDetokenizer
 
 class TransformersEngine:
     @classmethod
-    def card(cls, settings) -> ModelCard:
+    def model_card(cls, settings) -> ModelCard:
         return model_files.card(settings.model_cache)
 
     @classmethod

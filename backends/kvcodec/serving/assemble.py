@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .chunkinfo import ChunkInfo
-from .stats import Pipeline, RequestStats
+from .stats import RequestStats
 
 
 @dataclass
@@ -28,53 +28,6 @@ class Assembled:
 
     def stats(self) -> RequestStats:
         return RequestStats.from_chunks(self.infos, self.reused_tokens, self.reason)
-
-
-def _union(intervals: List[tuple]) -> List[tuple]:
-    merged: List[list] = []
-    for a, b in sorted(i for i in intervals if i[1] > i[0]):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [tuple(m) for m in merged]
-
-
-def _intersection(a: List[tuple], b: List[tuple]) -> float:
-    total = 0.0
-    for x0, x1 in a:
-        for y0, y1 in b:
-            total += max(0.0, min(x1, y1) - max(x0, y0))
-    return total
-
-
-def overlap(infos: List[ChunkInfo]) -> Pipeline:
-    """How much of the decode and restore work ran while chunks were still on the wire.
-
-    Intervals come from each chunk's wall-clock stamps: transfer ``[fetch_start, sent]``, decode
-    ``[decoded - s.decode, decoded]``, restore ``[restored - s.restore, restored]``. ``hidden_s`` is
-    the decode and restore time that fell inside some transfer; ``bound_s`` (the pipeline bound
-    without the first-token compute) is the slowest stage's total.
-    """
-    used = [i for i in infos if i.count and "fetch_start" in i.t and "sent" in i.t]
-    transfer = _union([(i.t["fetch_start"], i.t["sent"]) for i in used])
-    work = []
-    for i in used:
-        for stamp, step in (("decoded", "decode"), ("restored", "restore")):
-            if stamp in i.t and step in i.s:
-                work.append((i.t[stamp] - i.s[step], i.t[stamp]))
-    totals = {step: sum(i.s.get(step, 0.0) for i in used) for step in ("fetch", "decode", "restore")}
-    work_s = totals["decode"] + totals["restore"]
-    hidden = _intersection(_union(work), transfer)
-    return Pipeline(
-        transfer_s=round(sum(b - a for a, b in transfer), 6),
-        decode_s=round(totals["decode"], 6),
-        restore_s=round(totals["restore"], 6),
-        hidden_s=round(hidden, 6),
-        hidden_fraction=round(hidden / work_s, 4) if work_s else 0.0,
-        bound_s=round(max(totals.values()), 6) if used else 0.0,
-        slowest_stage=max(totals, key=totals.get) if used else "",
-    )
 
 
 @dataclass

@@ -80,9 +80,9 @@ def unpack_side(index: Any, data: np.ndarray) -> Dict[str, bytes]:
         raise CorruptChunk(f"bad side index in restore descriptor: {index!r}") from None
     if any(n < 0 for _, n in pairs) or sum(n for _, n in pairs) != data.size:
         raise CorruptChunk("side sections do not add up to the side data")
-    out, offset, raw = {}, 0, data.tobytes()
+    out, offset = {}, 0
     for name, n in pairs:
-        out[name] = raw[offset:offset + n]
+        out[name] = data[offset:offset + n].tobytes()
         offset += n
     return out
 
