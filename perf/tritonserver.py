@@ -108,6 +108,10 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = ":".join(libs)
         env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
         env["PYTHONUNBUFFERED"] = "1"
+        # the stubs' embedded Python reads text files in the locale's encoding (it ignores
+        # PYTHONUTF8); under the C locale that is ASCII, and torch (imported by vLLM) reads UTF-8
+        if "UTF-8" not in (env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG") or "").upper():
+            env["LC_ALL"] = "C.UTF-8"
         env.update(self.settings.environ())
         return env
 

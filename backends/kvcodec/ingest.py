@@ -99,9 +99,9 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
                  store_url: Optional[str] = None, threads: Optional[int] = None,
                  progress: Optional[Callable[[int], None]] = None) -> IngestReport:
     """The one ingest path of the CLI and the tools: ``token_ids`` into the store at each rung
-    (a ladder spec; default: the settings' ladder), bound to the engine's codec profile, with the
-    measured costs recorded where the serving steps of ``settings`` read them; signed with the
-    deployment's chunk key (``format.auth.load_auth``)."""
+    (a ladder spec; default: the settings' ladder), bound to the engine's card (codec profile, KV
+    dtype: ``Scheme.for_card``), with the measured costs recorded where the serving steps of
+    ``settings`` read them; signed with the deployment's chunk key (``format.auth.load_auth``)."""
     from dataclasses import replace
 
     from .format.auth import load_auth
@@ -109,7 +109,7 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
     from .serving.costs import for_settings
     from .store import open_store
 
-    schemes = parse_ladder(rungs or list(settings.ladder), engine.card.codec_profile)
+    schemes = parse_ladder(rungs or list(settings.ladder), engine.card)
     url = store_url or settings.store
     costs = for_settings(replace(settings, store=url), engine.geometry(1).fp16_bytes)
     with open_store(url) as store:

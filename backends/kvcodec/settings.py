@@ -20,9 +20,12 @@ name the field and the value.
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
 | key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
 | fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: a request's store calls end by then; the rest is computed |
+| writeback     | KVCODEC_WRITEBACK      | ``first``: after a miss, store the new full chunks at the ladder's first rung (3) |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
+(3) ``off``, ``first`` or a ladder spec (e.g. ``raw,transform-zstd``); done off the request's path by
+engines that save (``vllm``: ``kvcodec.connector.WriteBack``).
 (2) made on first use, mode 0600; ``KVCODEC_CHUNK_KEY`` (the key, hex) takes its place
 (``kvcodec.format.auth``).
 """
@@ -54,6 +57,7 @@ class Settings:
     engine: str = "transformers"
     key_file: Path = Path(".cache/chunk.key")
     fetch_timeout_s: float = 20.0
+    writeback: Tuple[str, ...] = ()  # rung specs to store after a miss (empty: off)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -96,13 +100,14 @@ class Settings:
         deadline_s = _float("deadline_s", raw("deadline_s") or "0", minimum=0.0)
         key_file = Path(raw("key_file") or home / "chunk.key").expanduser().resolve()
         fetch_timeout_s = _float("fetch_timeout_s", raw("fetch_timeout_s") or "20", minimum=0.001)
+        writeback = _writeback(raw("writeback") or "first", ladder)
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
         if engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
-                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file, fetch_timeout_s)
+                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -120,7 +125,22 @@ class Settings:
             "KVCODEC_ENGINE": self.engine,
             "KVCODEC_KEY_FILE": str(self.key_file),
             "KVCODEC_FETCH_TIMEOUT_S": repr(self.fetch_timeout_s),
+            "KVCODEC_WRITEBACK": ",".join(self.writeback) or "off",
         }
+
+
+def _writeback(value: str, ladder: Tuple[str, ...]) -> Tuple[str, ...]:
+    value = value.strip()
+    if value == "off":
+        return ()
+    if value == "first":
+        return ladder[:1]
+    rungs = tuple(c.strip() for c in value.split(",") if c.strip())
+    try:
+        parse_ladder(rungs)
+    except ConfigError as exc:
+        raise ConfigError(f"writeback: {exc} (or 'off', 'first')") from None
+    return rungs
 
 
 def _int(name: str, value: str, minimum: int) -> int:

@@ -93,7 +93,7 @@ def cmd_ingest(args) -> int:
         if "," in codec:
             raise SystemExit("kvcodec ingest: --quality takes one --codec; name rungs as NAME:QUALITY instead")
         codec = f"{codec}:{args.quality}"
-    schemes = parse_ladder(codec, model_card(settings).codec_profile)  # bad names fail before the model loads
+    schemes = parse_ladder(codec, model_card(settings))  # bad names fail before the model loads
     text = _read_text(args.text_file)
     engine = open_engine(settings)
     ids = engine.tokenize(text)
@@ -151,7 +151,7 @@ def cmd_eval(args) -> int:
 
     settings = _settings(args)
     engine = open_engine(settings)
-    scheme = get_scheme(args.codec, args.quality, profile=engine.card.codec_profile)
+    scheme = get_scheme(args.codec, args.quality).for_card(engine.card)
     ids = engine.tokenize(_read_text(args.text_file))
     result = evaluate(engine, ids, args.prefix_tokens, args.continuation_tokens, scheme, settings.chunk_tokens)
     if args.json:
@@ -184,7 +184,7 @@ def cmd_profile_fit(args) -> int:
 def cmd_demo(args) -> int:
     from perf.demo import run_demo
 
-    return run_demo(_settings(args), Path(args.json), Path(args.model_repository))
+    return run_demo(_settings(args), Path(args.json), Path(args.model_repository), args.codec)
 
 
 def _list(kind):
@@ -305,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="ingest a text, compare TTFT with and without reuse, write JSON")
     common(p)
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "demo.json"))
+    p.add_argument("--codec", default="int8-zstd", help="the rung to ingest and reuse (raw: the engine's own KV)")
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_demo)
     return parser

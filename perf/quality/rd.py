@@ -67,7 +67,7 @@ def _card(config: RdConfig):
 def _scheme(spec: str, config: RdConfig):
     from kvcodec.format.ladder import parse_rung
 
-    return parse_rung(spec, _card(config).codec_profile)
+    return parse_rung(spec, _card(config))
 
 
 def _worker(config: RdConfig, texts: List[int], out) -> None:

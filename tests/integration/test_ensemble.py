@@ -81,8 +81,7 @@ def test_unseen_prompt_is_full_prefill(grpc, tokenizer):
 
 def _chunk_path(settings, ids, index, codec="lossless8") -> Path:
     card = model_card(settings)
-    key = chunk_keys(ids, card.model_id, get_scheme(codec, profile=card.codec_profile).identity,
-                     settings.chunk_tokens)[index]
+    key = chunk_keys(ids, card.model_id, get_scheme(codec).for_card(card).identity, settings.chunk_tokens)[index]
     return Path(settings.store.removeprefix("file://")) / f"{key}.kvc"
 
 
@@ -145,14 +144,19 @@ def test_kv_poisoning_with_valid_checksums_is_never_used(settings, grpc, context
     assert result.tokens == prefill.tokens
 
 
-def test_raw_fp16_baseline(settings, tokenizer, grpc, tmp_path):
-    text = text_of(tokenizer, "shlex.py", 300)
+def test_raw_reuse_is_the_engines_own_kv_and_gives_prefill_tokens(settings, tokenizer, grpc, tmp_path):
+    """raw stores the transformers engine's float32 KV as it is: it travels as kv32, and reuse gives
+    exactly the tokens of the engine's own full prefill."""
+    text = text_of(tokenizer, "shlex.py", 540)
     ingest_text(settings, tmp_path, text, codec="raw")
     ids = tokenizer.encode(text + QUESTION)
-    result = grpc.generate(ids, MAX_TOKENS, reuse=True)
-    assert result.stats["scheme"] == "raw" and result.reused_tokens == 256
-    assert result.stats["bytes_fetched"] > 256 * 30 * 2 * 3 * 64 * 2  # fp16 KV plus the header
-    assert result.tokens == grpc.generate(ids, MAX_TOKENS, reuse=False).tokens
+    header = container.parse(_chunk_path(settings, ids, 0, "raw").read_bytes(), load_auth(settings.key_file)).header
+    assert header["layout"] == "native" and header["layout_params"] == {"dtype": "float32"}
+    prefill = grpc.generate(ids, 2 * MAX_TOKENS, reuse=False)
+    result = grpc.generate(ids, 2 * MAX_TOKENS, reuse=True)
+    assert result.stats["scheme"] == "raw" and result.reused_tokens == 512 and result.stats["chunks_used"] == 2
+    assert result.stats["bytes_fetched"] > 512 * 30 * 2 * 3 * 64 * 4  # float32 KV plus the headers
+    assert result.tokens == prefill.tokens and result.text == prefill.text
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

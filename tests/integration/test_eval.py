@@ -27,8 +27,9 @@ def _eval(settings, text_file, codec, *extra):
 def test_eval_raw_and_lossless8(settings, text_file):
     raw = _eval(settings, text_file, "raw")
     assert set(raw) >= KEYS
-    assert 0.99 < raw["ratio_vs_fp16"] <= 1.0  # fp16 bytes plus a small header
-    assert raw["top1_agreement"] == 1.0 and raw["mean_kl"] < 1e-4 and raw["greedy_match_tokens"] == 32
+    assert 0.49 < raw["ratio_vs_fp16"] <= 0.5  # the engine's float32 bytes (2x fp16) plus a small header
+    # the engine's own KV, bit for bit: the very same logits
+    assert raw["top1_agreement"] == 1.0 and raw["mean_kl"] == 0.0 and raw["greedy_match_tokens"] == 32
     lossless = _eval(settings, text_file, "lossless8")
     assert lossless["ratio_vs_fp16"] > 1.5
     assert lossless["mean_kl"] > raw["mean_kl"] and lossless["mean_kl"] < 0.01
@@ -71,7 +72,7 @@ def test_rd_on_one_text_writes_the_summary_and_the_plot(settings, tmp_path):
     doc = json.loads(out.read_text())
     assert [s["setting"] for s in doc["summary"]] == ["raw", "int8-zstd", "transform-zstd:160"]
     by = {s["setting"]: s for s in doc["summary"]}
-    assert by["raw"]["gate"] is True and by["raw"]["greedy_min"] == 32 and by["raw"]["mean_kl"] < 1e-4
+    assert by["raw"]["gate"] is True and by["raw"]["greedy_min"] == 32 and by["raw"]["mean_kl"] == 0.0
     assert by["transform-zstd:160"]["ratio_vs_fp16"] > by["int8-zstd"]["ratio_vs_fp16"] > by["raw"]["ratio_vs_fp16"]
     assert all(s["decode_mb_s"] > 0 for s in doc["summary"])
     assert len(doc["rows"]) == 3 and doc["config"]["texts"] == ["py:argparse.py"]

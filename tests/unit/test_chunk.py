@@ -93,6 +93,90 @@ def test_raw_restores_the_float16_of_the_input_exactly(chunk_kv, encoded):
     assert np.array_equal(kv.view(np.uint16), chunk_kv.astype(np.float16).view(np.uint16))
 
 
+def _raw_chunk(kv: np.ndarray, kv_dtype: str) -> bytes:
+    return ChunkEncoder(get_scheme("raw", kv_dtype=kv_dtype), MODEL, auth=AUTH).encode(kv, KEY, 2, 512)
+
+
+@pytest.mark.parametrize("dtype, bits", [("float32", np.uint32), ("float16", np.uint16)])
+def test_raw_round_trips_the_engines_own_kv_bit_exactly(dtype, bits, chunk_kv):
+    """The engine's KV in its own dtype (float32 on CPU, float16 on GPU): encode -> container ->
+    decode -> restore, directly and over the kv_decode -> kv_restore wire, gives its bits back."""
+    kv = chunk_kv.astype(dtype)
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(_raw_chunk(kv, dtype), key=KEY)
+    assert decoded.header.layout == "native" and decoded.header.layout_params == {"dtype": dtype}
+    for out in (restore(decoded), restore(_over_the_wire(decoded))):
+        assert out.dtype == np.dtype(dtype) and out.shape == kv.shape
+        assert np.array_equal(out.view(bits), kv.view(bits))
+
+
+def test_raw_of_float32_kv_is_another_identity_and_key_than_of_float16():
+    from kvcodec.format.keys import chunk_keys
+
+    f16, f32 = get_scheme("raw", kv_dtype="float16"), get_scheme("raw", kv_dtype="float32")
+    assert f16.identity == 'raw/v2/native{"dtype":"float16"}/identity{}' == get_scheme("raw").identity
+    assert f32.identity == 'raw/v2/native{"dtype":"float32"}/identity{}'
+    ids = list(range(600))
+    assert not set(chunk_keys(ids, MODEL, f16.identity, 256)) & set(chunk_keys(ids, MODEL, f32.identity, 256))
+    assert get_scheme("int8-zstd", kv_dtype="float32") is SCHEMES["int8-zstd"]  # only raw stores the dtype
+
+
+def test_a_card_binds_the_kv_dtype_and_the_profile_for_every_caller():
+    from kvcodec.engines import ModelCard
+    from kvcodec.format.ladder import parse_ladder, parse_rung
+
+    card = ModelCard(name="m", model_id=MODEL, layers=4, kv_heads=3, head_dim=64, vocab_size=10, max_context=64,
+                     codec_profile="tiny-v1", kv_dtype="float32")
+    assert parse_rung("raw", card) == get_scheme("raw", kv_dtype="float32") == get_scheme("raw").for_card(card)
+    assert parse_rung("transform-zstd:80", card) == get_scheme("transform-zstd", 80, profile="tiny-v1")
+    assert [s.identity for s in parse_ladder("raw,int8-zstd", card)] == [
+        get_scheme("raw", kv_dtype="float32").identity, get_scheme("int8-zstd").identity]
+    assert ModelCard(name="m", model_id=MODEL, layers=1, kv_heads=1, head_dim=4, vocab_size=10,
+                     max_context=64).kv_dtype == "float16"  # the default
+    with pytest.raises(ConfigError, match="kv_dtype 'bfloat16'"):
+        ModelCard(name="m", model_id=MODEL, layers=1, kv_heads=1, head_dim=4, vocab_size=10, max_context=64,
+                  kv_dtype="bfloat16")
+
+
+def test_an_old_float16_raw_chunk_is_foreign(encoded):
+    """raw v1 (layout fp16, always float16): never read as the engine's own bytes."""
+    data = _rebuild(encoded["raw"], scheme_id="raw/v1/fp16/identity{}", layout="fp16", layout_params={},
+                    layout_version=1)
+    with pytest.raises(ForeignChunk, match="codec"):
+        ChunkDecoder(MODEL, auth=AUTH).decode(data, key=KEY)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64", 32])
+def test_restore_refuses_a_raw_dtype_it_does_not_read(dtype, chunk_kv):
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(_raw_chunk(chunk_kv, "float32"), key=KEY)
+    text, side = descriptor(decoded)
+    d = json.loads(text)
+    d["header"]["layout_params"]["dtype"] = dtype
+    with pytest.raises(ForeignChunk, match="dtype"):
+        restore(from_descriptor(json.dumps(d), side, decoded.planes))
+
+
+def test_restore_refuses_raw_planes_of_the_other_dtype(chunk_kv):
+    """float16 planes under a header that says float32 are half the width: corrupt, never reinterpreted."""
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(_raw_chunk(chunk_kv, "float16"), key=KEY)
+    text, side = descriptor(decoded)
+    d = json.loads(text)
+    d["header"]["layout_params"]["dtype"] = "float32"
+    with pytest.raises(CorruptChunk, match="float32 planes"):
+        restore(from_descriptor(json.dumps(d), side, decoded.planes))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_restore_refuses_kv_that_is_not_finite_in_either_dtype(dtype, value, chunk_kv):
+    kv = chunk_kv.astype(dtype)
+    kv[1, 0, 2, 17, 5] = value
+    decoded = ChunkDecoder(MODEL, auth=AUTH).decode(_raw_chunk(kv, dtype), key=KEY)
+    with pytest.raises(CorruptChunk, match="not finite"):
+        restore(decoded)
+    kv[1, 0, 2, 17, 5] = np.finfo(dtype).max  # the largest finite value is fine
+    assert restore(ChunkDecoder(MODEL, auth=AUTH).decode(_raw_chunk(kv, dtype), key=KEY)).dtype == np.dtype(dtype)
+
+
 def _over_the_wire(decoded, planes=None):
     """``decoded`` as kv_restore receives it from kv_decode: header JSON, side bytes, typed planes."""
     text, side = descriptor(decoded)

@@ -19,9 +19,12 @@ TOKENS = 256
 CHUNKS = 2
 
 
-def encoded(rung: str, make_kv):
+CASES = [("int8-zstd", None), ("raw", "float16"), ("raw", "float32")]  # (rung, the engine's KV dtype)
+
+
+def encoded(rung: str, make_kv, kv_dtype=None):
     """(blobs, keys) of ``CHUNKS`` synthetic chunks at ``rung``."""
-    scheme = get_scheme(rung)
+    scheme = get_scheme(rung, kv_dtype=kv_dtype)
     ids = list(range(TOKENS * CHUNKS))
     keys = chunk_keys(ids, MODEL_ID, scheme.identity, TOKENS)
     encoder = ChunkEncoder(scheme, MODEL_ID, auth=AUTH)
@@ -37,9 +40,9 @@ def direct(blobs, keys) -> list:
         decoder.close()
 
 
-@pytest.mark.parametrize("rung", ["int8-zstd", "raw"])
-def test_measurement_times_every_stage_and_assembles_the_direct_kv(rung, make_kv):
-    blobs, keys = encoded(rung, make_kv)
+@pytest.mark.parametrize("rung, kv_dtype", CASES)
+def test_measurement_times_every_stage_and_assembles_the_direct_kv(rung, kv_dtype, make_kv):
+    blobs, keys = encoded(rung, make_kv, kv_dtype)
     m = measure_chunks(blobs, MODEL_ID, keys, TOKENS, AUTH, repeats=2)
     for stage in ("decode", "restore", "assemble", "kv_tensor", "inner_decode", "inner_restore"):
         assert m.figures[f"{stage}_ms"] > 0, stage
@@ -48,20 +51,26 @@ def test_measurement_times_every_stage_and_assembles_the_direct_kv(rung, make_kv
     assert m.figures["inner_decode_ms"] <= m.figures["decode_ms"]
     assert m.figures["inner_restore_ms"] <= m.figures["restore_ms"]
     assert len(m.assemble_ms_by_chunk) == CHUNKS and min(m.assemble_ms_by_chunk) > 0
+    assert m.past_kv.dtype == (np.float32 if kv_dtype == "float32" else np.float16)
     assert np.array_equal(m.past_kv, np.concatenate(direct(blobs, keys), axis=3))
 
 
-@pytest.mark.parametrize("rung", ["int8-zstd", "raw"])
-def test_wire_carries_each_chunk_exactly(rung, make_kv):
-    blobs, keys = encoded(rung, make_kv)
+@pytest.mark.parametrize("rung, kv_dtype", CASES)
+def test_wire_carries_each_chunk_exactly(rung, kv_dtype, make_kv):
+    """kv_restore's two KV outputs: the KV in the one of its dtype (``kv32`` for float32), the other empty."""
+    blobs, keys = encoded(rung, make_kv, kv_dtype)
+    wide = kv_dtype == "float32"
     with ServingPath(MODEL_ID, AUTH) as path:
         for i, (blob, want) in enumerate(zip(blobs, direct(blobs, keys), strict=True)):
             info = ChunkInfo("s", i, CHUNKS, token_start=i * TOKENS, tokens=TOKENS, key=keys[i])
             wire = path.decode(info, blob)
             assert wire.chunk_header.dtype == object and isinstance(wire.chunk_header[0], bytes)
-            kv = path.kv_tensor(path.restore(info, wire))
+            out = path.kv_tensor(path.restore(info, wire))
             assert info.ok, info.reason
-            assert kv.dtype == np.float16 and kv.flags.c_contiguous and np.array_equal(kv, want)
+            assert out.kv.dtype == np.float16 and out.kv32.dtype == np.float32
+            kv, empty = (out.kv32, out.kv) if wide else (out.kv, out.kv32)
+            assert empty.shape == (0, 2, 0, 0, 0)
+            assert kv.flags.c_contiguous and kv.dtype == want.dtype and np.array_equal(kv, want)
 
 
 def test_measurement_stops_on_a_failed_chunk(make_kv):

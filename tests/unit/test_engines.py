@@ -66,7 +66,7 @@ def test_a_second_engine_is_one_registry_entry(echo_engine):
 
 
 def test_an_unknown_engine_is_a_config_error_naming_the_known_ones():
-    with pytest.raises(ConfigError, match="engine must be one of transformers, got 'vllm-x'"):
+    with pytest.raises(ConfigError, match="engine must be one of transformers, vllm, got 'vllm-x'"):
         Settings.load({"engine": "vllm-x"}, env={})
     with pytest.raises(Unsupported, match="unknown engine"):
         ENGINES.get("vllm-x")
@@ -97,6 +97,7 @@ def test_the_smollm2_card_needs_no_conversion(tmp_path):
     assert card.model_id.startswith("SmolLM2-135M-Instruct@gguf-sha256:") and len(card.model_id.split(":")[1]) == 64
     assert (card.layers, card.kv_heads, card.head_dim, card.vocab_size) == (30, 3, 64, 49152)
     assert card.codec_profile == "smollm2-135m-v1"
+    assert card.kv_dtype == "float32"  # the transformers engine runs float32: raw stores float32
     assert not (tmp_path / "empty-cache").exists()  # nothing converted
 
 

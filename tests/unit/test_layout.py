@@ -1,14 +1,22 @@
-"""KV <-> planes layouts (kvcodec.layout): q8 per-channel quantization and raw fp16."""
+"""KV <-> planes layouts (kvcodec.layout): q8 per-channel quantization and ``native`` (raw: the
+engine's own float16 or float32 bytes)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvcodec.errors import BadRequest, CorruptChunk, Unsupported
+from kvcodec.errors import BadRequest, CorruptChunk, ForeignChunk, Unsupported
 from kvcodec.format.geometry import Geometry
 from kvcodec.layout import LAYOUTS, get_layout
 
 FP16_EPS = float(np.finfo(np.float16).eps)  # 2**-10
+# the layouts whose planes are checked alike: case -> (layout, its parameters)
+PARAMS = {"q8": ("q8", {}), "native16": ("native", {"dtype": "float16"}), "native32": ("native", {"dtype": "float32"})}
+
+
+def _layout(case: str):
+    name, params = PARAMS[case]
+    return get_layout(name, **params)
 
 
 def _steps(side, g: Geometry):
@@ -19,8 +27,8 @@ def _steps(side, g: Geometry):
 
 
 def test_registry_lists_every_layout():
-    assert LAYOUTS.names() == ["cg", "fp16", "pca", "pca10", "q8", "qn"]
-    with pytest.raises(Unsupported, match="cg, fp16, pca, pca10, q8, qn"):
+    assert LAYOUTS.names() == ["cg", "native", "pca", "pca10", "q8", "qn"]
+    with pytest.raises(Unsupported, match="cg, native, pca, pca10, q8, qn"):
         get_layout("q4")
 
 
@@ -82,28 +90,54 @@ def test_q8_restore_is_exact_for_given_planes(kv):
     assert np.array_equal(layout.from_planes(planes.copy(), side, g), want)
 
 
-def test_fp16_layout_restores_the_float16_values_exactly(kv):
-    layout = get_layout("fp16")
+@pytest.mark.parametrize("dtype, bits", [("float16", np.uint16), ("float32", np.uint32)])
+def test_native_layout_restores_its_dtype_exactly(dtype, bits, kv):
+    layout = get_layout("native", dtype=dtype)
     g = Geometry.of(kv)
     planes, side = layout.to_planes(kv)
     assert side == {}
-    assert planes.dtype == np.uint8 and planes.shape == layout.planes_shape(g) == (8, 256, 3 * 64 * 2)
+    size = np.dtype(dtype).itemsize
+    assert planes.dtype == np.uint8 and planes.shape == layout.planes_shape(g) == (8, 256, 3 * 64 * size)
     out = layout.from_planes(planes, side, g)
-    assert out.dtype == np.float16 and out.shape == kv.shape
-    assert np.array_equal(out.view(np.uint16), kv.astype(np.float16).view(np.uint16))
+    assert out.dtype == np.dtype(dtype) and out.shape == kv.shape
+    assert np.array_equal(out.view(bits), kv.astype(dtype).view(bits))
 
 
-def test_fp16_layout_keeps_special_values():
-    kv = np.array([0.0, -0.0, np.inf, -np.inf, 65504.0, 6e-8, np.nan, 1.0], dtype=np.float16)
+def test_native_planes_are_little_endian_values_side_by_side(kv):
+    planes, _ = get_layout("native", dtype="float32").to_planes(kv)
+    first = planes[0, 0, :8].tobytes()  # layer 0, K, token 0, head 0: channels 0 and 1
+    assert first == kv[0, 0, 0, 0, :2].astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("dtype, bits", [("float16", np.uint16), ("float32", np.uint32)])
+def test_native_layout_keeps_special_values(dtype, bits):
+    kv = np.array([0.0, -0.0, np.inf, -np.inf, 65504.0, 6e-8, np.nan, 1.0], dtype=dtype)
     kv = np.resize(kv, (1, 2, 1, 8, 8))
-    layout = get_layout("fp16")
+    layout = get_layout("native", dtype=dtype)
     out = layout.from_planes(*layout.to_planes(kv), Geometry.of(kv))
-    assert np.array_equal(out.view(np.uint16), kv.view(np.uint16))
+    assert np.array_equal(out.view(bits), kv.view(bits))
 
 
-@pytest.mark.parametrize("name", ["q8", "fp16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64", "<f4", None])
+def test_native_layout_refuses_a_dtype_it_does_not_read(dtype):
+    with pytest.raises(ForeignChunk, match="dtype"):
+        get_layout("native", dtype=dtype)
+
+
+def test_native_planes_of_the_other_dtype_do_not_fit(kv):
+    """float16 planes read as float32 (or back) are the wrong width: corrupt, never reinterpreted."""
+    g = Geometry.of(kv)
+    planes16, side = get_layout("native", dtype="float16").to_planes(kv)
+    planes32, _ = get_layout("native", dtype="float32").to_planes(kv)
+    with pytest.raises(CorruptChunk, match="float32 planes"):
+        get_layout("native", dtype="float32").from_planes(planes16, side, g)
+    with pytest.raises(CorruptChunk, match="float16 planes"):
+        get_layout("native", dtype="float16").from_planes(planes32, side, g)
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
 def test_from_planes_rejects_wrong_shape_or_dtype(name, kv):
-    layout = get_layout(name)
+    layout = _layout(name)
     g = Geometry.of(kv)
     planes, side = layout.to_planes(kv)
     with pytest.raises(CorruptChunk, match="planes"):
@@ -135,7 +169,7 @@ def test_q8_short_side_data_raises_corrupt(kv):
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 256, 64), (4, 3, 2, 256, 64), (4, 1, 3, 256, 64, 1)])
-@pytest.mark.parametrize("name", ["q8", "fp16"])
+@pytest.mark.parametrize("name", list(PARAMS))
 def test_to_planes_rejects_a_non_kv_shape(name, shape):
     with pytest.raises(BadRequest, match="KV must be"):
-        get_layout(name).to_planes(np.zeros(shape, dtype=np.float32))
+        _layout(name).to_planes(np.zeros(shape, dtype=np.float32))

@@ -105,3 +105,16 @@ def test_ensemble_input_types(configs):
 def test_max_batch_size_is_zero_everywhere(configs):
     """The shapes above are written without a batch dimension."""
     assert {n: c.max_batch_size for n, c in configs.items()} == dict.fromkeys(configs, 0)
+
+
+def test_restored_kv_travels_typed_to_llm(configs):
+    """kv_restore sends the KV as ``kv`` (float16) or ``kv32`` (float32: raw on a float32 engine), the
+    other one empty; llm takes both, and the ensemble wires each to it."""
+    want = {"kv": ("TYPE_FP16", [-1, 2, -1, -1, -1]), "kv32": ("TYPE_FP32", [-1, 2, -1, -1, -1])}
+    _, restore_out = _io(configs["kv_restore"])
+    llm_in, _ = _io(configs["llm"])
+    assert {n: _sig(restore_out[n]) for n in want} == want
+    assert {n: _sig(llm_in[n]) for n in want} == want
+    steps = {s.model_name: s for s in configs[ENSEMBLE].ensemble_scheduling.step}
+    for name in want:
+        assert steps["llm"].input_map[name] == steps["kv_restore"].output_map[name]

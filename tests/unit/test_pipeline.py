@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import types
 from typing import Optional
 
 import numpy as np
@@ -367,6 +368,83 @@ def test_sessions_are_kept_apart(memory_store, context, encoded):
     assert np.array_equal(results["B"].past_kv, kv[:, :, :, : 2 * CHUNK].astype(np.float16))
     assert np.array_equal(results["A"].past_kv, np.concatenate([c for _, c in a], axis=3))
     assert {i.session for i in results["A"].infos} == {"A"}
+
+
+def test_raw_on_a_float32_engine_assembles_its_own_kv_exactly(memory_store, context):
+    """Ingest and the fetcher bound to the same float32 card: the request's KV is the engine's
+    float32, bit for bit; a fetcher bound to a float16 card looks under other keys (a miss)."""
+    from kvcodec.engines import ModelCard
+
+    ids, kv = context
+    cards = {dtype: ModelCard(name="tiny", model_id=MODEL, layers=2, kv_heads=3, head_dim=64, vocab_size=32_000,
+                              max_context=4096, kv_dtype=dtype) for dtype in ("float32", "float16")}
+    scheme = get_scheme("raw").for_card(cards["float32"])
+    enc = ChunkEncoder(scheme, MODEL, auth=AUTH)
+    for i, key in enumerate(chunk_keys(ids, MODEL, scheme.identity, CHUNK)[:N_CHUNKS]):
+        memory_store.put(key, enc.encode(kv[:, :, :, i * CHUNK:(i + 1) * CHUNK], key, i, i * CHUNK))
+    restored = through_steps(Fetcher(memory_store, MODEL, ["raw"], CHUNK, card=cards["float32"]).fetch(ids, "s"))
+    assert [info.status for info, _ in restored] == ["ok"] * N_CHUNKS
+    done = assemble(restored)
+    assert done.past_kv.dtype == np.float32 and done.reused_tokens == N_CHUNKS * CHUNK
+    assert np.array_equal(done.past_kv.view(np.uint32), kv.view(np.uint32))
+    assert Fetcher(memory_store, MODEL, ["raw"], CHUNK, card=cards["float16"]).plan(ids) is None
+
+
+@pytest.mark.parametrize("first, other", [(np.float32, np.float16), (np.float16, np.float32)])
+def test_assembler_widens_a_mix_of_float16_and_float32_chunks_exactly(first, other):
+    """The adaptive fetcher may pick raw (float32) for one chunk and an 8-bit rung (float16) for
+    the next: the request is gathered in float32 and every chunk is its restored value, exactly."""
+    kv = np.arange(2 * 2 * 1 * 8 * 8, dtype=np.float32).reshape(2, 2, 1, 8, 8) / 8
+    assembler = Assembler()
+    assert assembler.add(ChunkInfo("s", 0, 3, tokens=8), kv.astype(first)) is None
+    assert assembler.add(ChunkInfo("s", 1, 3, tokens=8), kv.astype(other)) is None
+    done = assembler.add(ChunkInfo("s", 2, 3, tokens=8), kv.astype(first))
+    assert done.past_kv.dtype == np.float32 and done.reused_tokens == 24 and done.reason == ""
+    for i, dtype in enumerate((first, other, first)):
+        assert np.array_equal(done.past_kv[:, :, :, 8 * i:8 * (i + 1)], kv.astype(dtype).astype(np.float32))
+
+
+def test_assembler_takes_the_dtype_of_the_first_good_chunk_not_of_a_failed_one():
+    """A failed chunk arrives first with kv_restore's empty float16 KV: it sets no dtype."""
+    kv32 = np.ones((2, 2, 1, 8, 8), np.float32)
+    assembler = Assembler()
+    failed = ChunkInfo("s", 1, 2, tokens=8).fail("corrupt", "bad")
+    assert assembler.add(failed, np.zeros((0, 2, 0, 0, 0), np.float16)) is None
+    done = assembler.add(ChunkInfo("s", 0, 2, tokens=8), kv32)
+    assert done.past_kv.dtype == np.float32 and np.array_equal(done.past_kv, kv32)
+    assert done.reused_tokens == 8 and "chunk 1: corrupt" in done.reason
+
+
+class PastRecorder:
+    """An engine that records the past KV it is handed (the contract's ``geometry``, ``detokenizer``, ``stream``)."""
+
+    def __init__(self):
+        self.past = "not called"
+
+    def geometry(self, tokens):
+        return Geometry(layers=2, kv_heads=1, head_dim=8, tokens=tokens)
+
+    def detokenizer(self):
+        return types.SimpleNamespace(push=lambda token: "", flush=lambda: "")
+
+    def stream(self, ids, max_tokens, past_kv=None, **kwargs):
+        self.past = past_kv
+        yield 1
+
+
+@pytest.mark.parametrize("dtype, used", [(np.float32, True), (np.float16, True), (np.float64, False)])
+def test_generate_hands_float16_or_float32_kv_to_the_engine_as_it_is(dtype, used):
+    from kvcodec.serving.generate import generate
+
+    past = np.ones((2, 2, 1, 8, 8), dtype)
+    info = ChunkInfo("s", 0, 1, tokens=8)
+    engine = PastRecorder()
+    events = list(generate(engine, list(range(10)), 1, Assembled(past, [info], 8)))
+    assert events[-1].final
+    if used:
+        assert engine.past is past and events[-1].stats.reused_tokens == 8
+    else:
+        assert engine.past is None and "float64" in events[-1].stats.miss_reason
 
 
 def test_assembler_drops_sessions_older_than_ttl():

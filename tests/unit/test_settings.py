@@ -80,7 +80,7 @@ def test_unknown_key_raises_naming_it():
     ("decoder", "PYAV", "'PYAV'"),
     ("ladder", "lossless8,h266", "ladder: codec 'h266' is unknown"),
     ("ladder", "LOSSLESS8", "'LOSSLESS8'"),
-    ("engine", "tensorrt", "engine must be one of transformers, got 'tensorrt'"),
+    ("engine", "tensorrt", "engine must be one of transformers, vllm, got 'tensorrt'"),
 ])
 def test_bad_values_raise_config_error_naming_field_and_value(name, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -104,13 +104,25 @@ def test_the_ladders_old_name_is_still_read_from_the_environment():
     assert Settings.load({}, env={"KVCODEC_CODECS": "raw", "KVCODEC_LADDER": "video"}).ladder == ("video",)
 
 
+@pytest.mark.parametrize("value, want", [("off", ()), ("first", ("raw",)), ("int8-zstd,raw", ("int8-zstd", "raw"))])
+def test_writeback_is_off_the_ladders_first_rung_or_a_ladder(value, want):
+    s = Settings.load({"ladder": "raw,video", "writeback": value}, env={})
+    assert s.writeback == want
+    assert Settings.load(env=s.environ()).writeback == want
+
+
+def test_a_bad_writeback_rung_is_a_config_error():
+    with pytest.raises(ConfigError, match="writeback: codec 'nope' is unknown"):
+        Settings.load({"writeback": "nope"}, env={})
+
+
 def test_environ_round_trips_through_load(tmp_path):
     s = Settings.load({"home": str(tmp_path / "h"), "store": "memory://rt", "ladder": "raw,video",
                        "chunk_tokens": "128", "threads": "2", "decoder": "auto"}, env={})
     env = s.environ()
     assert set(env) == {f"KVCODEC_{n}" for n in
                         ("HOME", "STORE", "MODEL_CACHE", "LADDER", "CHUNK_TOKENS", "THREADS", "DECODER",
-                         "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE", "KEY_FILE", "FETCH_TIMEOUT_S")}
+                         "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE", "KEY_FILE", "FETCH_TIMEOUT_S", "WRITEBACK")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})

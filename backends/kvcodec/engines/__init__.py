@@ -9,7 +9,7 @@ Contract of an engine class:
 
 - ``Class.model_card(settings) -> ModelCard`` (classmethod, cheap: no weights loaded, nothing
   converted): the model's identity (bound into every chunk key), KV geometry, vocabulary size,
-  context length and codec profile name. The steps that only fetch and decode (``kv_fetch``,
+  context length, codec profile name and KV dtype. The steps that only fetch and decode (``kv_fetch``,
   ``kv_decode``) use this and never load the model.
 - ``Class.prepare(settings)``: make the model's files ready (may convert them, once; cheap after).
 - ``Class.tokenizer(settings)``: the model's tokenizer (``encode(text)``, ``decode(ids)``) alone,
@@ -21,7 +21,9 @@ Contract of an engine class:
 - ``engine.prefill_chunks(ids, chunk_tokens)``: the KV of each full chunk of ``ids``, float32
   ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (ingest, the quality harness).
 - ``engine.stream(ids, max_tokens, past_kv=None)``: greedy token ids one by one; with ``past_kv``
-  (the KV of ``ids[:n]``, ``n < len(ids)``) only ``ids[n:]`` is computed.
+  (the KV of ``ids[:n]``, ``n < len(ids)``; float16 or float32, converted to the engine's own
+  dtype) only ``ids[n:]`` is computed. Its own ``kv_dtype`` KV in must give exactly the tokens of
+  its own full prefill (the ``raw`` rung's promise).
 - ``engine.continuation_logprobs(past_kv, ids)``: teacher-forced next-token log-probabilities
   ``[len(ids), vocab]`` (the quality harness).
 """
@@ -32,8 +34,11 @@ from typing import Iterator, List, Optional, Protocol, Sequence
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..format.geometry import Geometry
 from ..registry import Registry
+
+KV_DTYPES = ("float16", "float32")  # what a card's ``kv_dtype`` may say (the ``native`` layout's dtypes)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,14 @@ class ModelCard:
     vocab_size: int  # token ids must be below this
     max_context: int  # prompt + generated tokens
     codec_profile: Optional[str] = None  # the PCA profile of the transform layouts (``kvcodec.profiles``)
+    # The dtype the engine computes and keeps its KV in: "float32" (CPU engines) or "float16" (GPU).
+    # The ``raw`` rung stores exactly these bytes (``Scheme.for_card``), so it is part of raw's identity.
+    kv_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"model card {self.name}: kv_dtype {self.kv_dtype!r} is not one of "
+                              f"{', '.join(KV_DTYPES)}")
 
     def geometry(self, tokens: int) -> Geometry:
         return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, tokens=tokens)
@@ -63,6 +76,7 @@ class Detokenizer(Protocol):
 
 class Engine(Protocol):
     card: ModelCard
+    max_concurrency: int
 
     def geometry(self, tokens: int) -> Geometry: ...
 
@@ -72,13 +86,15 @@ class Engine(Protocol):
 
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]: ...
 
-    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None) -> Iterator[int]: ...
+    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
+               report: Optional[dict] = None) -> Iterator[int]: ...
 
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
 
 
 ENGINES: Registry = Registry("engine")
 ENGINES.register("transformers", "kvcodec.engines.transformers_engine:TransformersEngine")
+ENGINES.register("vllm", "kvcodec.engines.vllm_engine:VllmEngine")
 
 
 def model_card(settings) -> ModelCard:

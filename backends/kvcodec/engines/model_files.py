@@ -27,6 +27,7 @@ FOLDER = "smollm2-135m-instruct"
 _READY = "kvcodec-model.json"
 # The model's shape, as its config says (checked against the config when the engine loads it).
 _SHAPE = dict(layers=30, kv_heads=3, head_dim=64, vocab_size=49152, max_context=8192)
+ARCHITECTURE = "LlamaForCausalLM"  # the model class, named in config.json
 CODEC_PROFILE = "smollm2-135m-v1"  # fitted on this model (``kvcodec profile fit``), shipped
 _IDS: Dict[str, str] = {}
 
@@ -59,7 +60,9 @@ def model_id(cache_dir: os.PathLike) -> str:
 
 
 def card(cache_dir: os.PathLike) -> ModelCard:
-    return ModelCard(name=MODEL_NAME, model_id=model_id(cache_dir), codec_profile=CODEC_PROFILE, **_SHAPE)
+    # the transformers engine runs the model in float32 (on the CPU and on a GPU alike)
+    return ModelCard(name=MODEL_NAME, model_id=model_id(cache_dir), codec_profile=CODEC_PROFILE, kv_dtype="float32",
+                     **_SHAPE)
 
 
 def check_config(config: dict) -> None:
@@ -100,7 +103,20 @@ def ensure_model(cache_dir: os.PathLike, log=print) -> ModelFiles:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not marker.is_file():
                 _convert(target, log)
+    _name_architecture(target)
     return ModelFiles(target, json.loads(marker.read_text())["model_id"])
+
+
+def _name_architecture(target: Path) -> None:
+    """A GGUF-loaded config says ``"architectures": null``; engines that pick the model class from it
+    (vLLM) need the class. Folders converted before this was written get it on their next use."""
+    path = target / "config.json"
+    config = json.loads(path.read_text())
+    if not config.get("architectures"):
+        config["architectures"] = [ARCHITECTURE]
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(config, indent=2))
+        os.replace(tmp, path)
 
 
 def _convert(target: Path, log) -> None:
@@ -121,6 +137,7 @@ def _convert(target: Path, log) -> None:
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = [ARCHITECTURE]
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
     model_id = f"{MODEL_NAME}@gguf-sha256:{_sha256(gguf)}"

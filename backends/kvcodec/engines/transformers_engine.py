@@ -5,8 +5,9 @@ dense cache, one request at a time, greedy decoding. It keeps the contract of ``
 - ``prefill_chunks(ids, chunk_tokens)``: runs prefill chunk by chunk and yields each chunk's KV
   as float32 ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (used by ingest);
 - ``stream(ids, max_tokens, past_kv=None)``: yields greedy token ids one by one; with
-  ``past_kv`` (the KV of ``ids[:n]``) only ``ids[n:]`` is computed. At least one token must be
-  left to compute.
+  ``past_kv`` (the KV of ``ids[:n]``, float16 or float32) only ``ids[n:]`` is computed. At least
+  one token must be left to compute. The model runs in float32 (card ``kv_dtype``): float32 KV
+  from ``raw`` is its own, exactly.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from .tokenizer import IncrementalDetokenizer
 
 
 class TransformersEngine:
+    max_concurrency = 1  # one request at a time (a dense cache per request, no batching)
+
     @classmethod
     def model_card(cls, settings) -> ModelCard:
         return model_files.card(settings.model_cache)
@@ -115,12 +118,14 @@ class TransformersEngine:
             raise BadRequest(f"restored KV has shape {tuple(past_kv.shape)}, the model needs {want}")
         torch = self._torch
         cache = self._new_cache()
-        kv = torch.from_numpy(past_kv).to(self.device, torch.float32)  # one copy, also from a strided view
+        # one copy, also from a strided view (none for float32 on the CPU: the cache only reads it)
+        kv = torch.from_numpy(past_kv).to(self.device, torch.float32)
         for layer in range(self.layers):
             cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
         return cache
 
-    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None) -> Iterator[int]:
+    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
+               report: Optional[dict] = None) -> Iterator[int]:
         torch = self._torch
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
@@ -131,6 +136,8 @@ class TransformersEngine:
             if start >= len(ids):
                 raise BadRequest("restored KV covers the whole prompt; at least one token must be computed")
             cache = self._cache_from(past_kv)
+        if report is not None:
+            report["reused_tokens"] = start
         x = torch.tensor([list(ids[start:])], device=self.device)
         with torch.inference_mode():
             for _ in range(max_tokens):

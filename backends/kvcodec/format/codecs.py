@@ -12,7 +12,9 @@ every chunk key and header, so changing any of it makes old chunks misses, never
 - ``video-q8``: the 8-bit per-channel layout of ``lossless8``, lossy HEVC at a constant QP (the
   naive layout, kept as the baseline the layout research started from);
 - ``int8-zstd``: the same 8-bit layout, zstd instead of video;
-- ``raw``: float16 bytes, no compression (the first baseline);
+- ``raw``: the engine's own KV bytes, no compression (the first baseline): layout ``native`` in the
+  model card's ``kv_dtype`` (float32 on CPU engines, 2x the float16 bytes; float16 on GPU), so
+  reuse restores the engine's KV bit for bit and gives the tokens of its own full prefill;
 - ``nlevel-zstd``: per-channel N-level quantization + zstd (``quality`` = N levels);
 - ``transform-zstd``: keys before RoPE and values projected on the model's PCA basis (shipped in
   its codec profile), one uniform step per (layer, K|V), zstd (``quality`` = the step, in
@@ -22,6 +24,10 @@ every chunk key and header, so changing any of it makes old chunks misses, never
   entropy coding with per-(layer, channel) distributions (``quality`` = bins of the first layers).
 
 Layout parameters (``layout_params``), where a scheme has them, are part of the identity too.
+Two of them come from the model, not the table: the codec ``profile`` (PCA layouts) and the KV
+``dtype`` (``raw``). ``Scheme.for_card(card)`` binds both from the engine's model card; every
+caller that makes keys or chunks (ingest, the CLI, the fetcher, the quality harness, chunkbench)
+binds through it (``format.ladder.parse_rung(spec, card)``), so all of them name the same identity.
 """
 from __future__ import annotations
 
@@ -49,6 +55,11 @@ class Scheme:
         """Whether the layout projects on a per-model codec profile (the model card names it)."""
         return self.layout in PROFILE_LAYOUTS
 
+    @property
+    def needs_kv_dtype(self) -> bool:
+        """Whether the layout stores the engine's KV in its own dtype (the model card names it)."""
+        return self.layout in KV_DTYPE_LAYOUTS
+
     def with_profile(self, profile: Optional[str]) -> "Scheme":
         """This scheme bound to the model's codec profile (itself if its layout needs none).
 
@@ -56,6 +67,18 @@ class Scheme:
         if not self.needs_profile or profile is None:
             return self
         return replace(self, layout_params=dict(self.layout_params, profile=str(profile)))
+
+    def with_kv_dtype(self, kv_dtype: Optional[str]) -> "Scheme":
+        """This scheme bound to the engine's KV dtype (itself if its layout stores none): the
+        ``dtype`` layout parameter, so part of the identity, the keys and the header too."""
+        if not self.needs_kv_dtype or kv_dtype is None:
+            return self
+        return replace(self, layout_params=dict(self.layout_params, dtype=str(kv_dtype)))
+
+    def for_card(self, card: Any) -> "Scheme":
+        """This scheme bound to a model: its card's ``codec_profile`` and ``kv_dtype``
+        (``engines.ModelCard``). The one binding every key-making caller uses."""
+        return self.with_profile(card.codec_profile).with_kv_dtype(card.kv_dtype)
 
     @property
     def identity(self) -> str:
@@ -67,6 +90,8 @@ class Scheme:
 
 
 PROFILE_LAYOUTS = frozenset({"pca", "pca10"})
+KV_DTYPE_LAYOUTS = frozenset({"native"})
+BOUND_PARAMS = ("profile", "dtype")  # layout parameters bound from the model card, not set by quality
 
 SCHEMES: Dict[str, Scheme] = {
     "lossless8": Scheme("lossless8", layout="q8", codec="hevc", codec_params={"lossless": True, "qp": 0, "preset": "ultrafast"},
@@ -79,7 +104,9 @@ SCHEMES: Dict[str, Scheme] = {
                        codec_params={"lossless": False, "qp": 8, "preset": "ultrafast"}, quality_param="qp", version=2,
                        baseline_only=True),
     "int8-zstd": Scheme("int8-zstd", layout="q8", codec="zstd", codec_params={"level": 3}, quality_param="level"),
-    "raw": Scheme("raw", layout="fp16", codec="identity"),
+    # v2: the engine's own dtype (v1 was always float16; its chunks are misses now, never wrong reads).
+    # The table's float16 is for an unbound scheme; ``for_card`` sets the engine's.
+    "raw": Scheme("raw", layout="native", codec="identity", layout_params={"dtype": "float16"}, version=2),
     "nlevel-zstd": Scheme("nlevel-zstd", layout="qn", codec="zstd", codec_params={"level": 19},
                           layout_params={"levels": 32}, quality_param="levels", quality_in="layout"),
     "transform-zstd": Scheme("transform-zstd", layout="pca", codec="zstd", codec_params={"level": 19},
@@ -92,12 +119,14 @@ SCHEMES: Dict[str, Scheme] = {
 
 
 
-def get_scheme(name: str, quality: Optional[int] = None, profile: Optional[str] = None) -> Scheme:
+def get_scheme(name: str, quality: Optional[int] = None, profile: Optional[str] = None,
+               kv_dtype: Optional[str] = None) -> Scheme:
     """The scheme called ``name``, with its quality parameter set to ``quality`` if given, bound to
-    the codec ``profile`` of the model (from its engine's model card) if its layout needs one."""
+    the codec ``profile`` and the ``kv_dtype`` of the model where its layout needs them. Callers
+    with a model card bind with ``get_scheme(name, quality).for_card(card)`` (or ``parse_rung``)."""
     if name not in SCHEMES:
         raise ConfigError(f"codec {name!r} is unknown (known: {', '.join(sorted(SCHEMES))})")
-    scheme = SCHEMES[name].with_profile(profile)
+    scheme = SCHEMES[name].with_profile(profile).with_kv_dtype(kv_dtype)
     if quality is None:
         return scheme
     if scheme.quality_param is None:

@@ -6,7 +6,7 @@ chunk per rung, and the fetcher chooses a rung per chunk among those stored.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ..errors import ConfigError
 from .codecs import Scheme, get_scheme
@@ -16,29 +16,32 @@ from .codecs import Scheme, get_scheme
 DEFAULT_LADDER = ("transform-zstd", "video", "int8-zstd", "raw")
 
 
-def parse_rung(spec: str, profile: Optional[str] = None) -> Scheme:
-    """The scheme a rung spec names, bound to the model's codec ``profile`` where it needs one."""
+def parse_rung(spec: str, card: Optional[Any] = None) -> Scheme:
+    """The scheme a rung spec names, bound to the model's ``card`` (``engines.ModelCard``: its
+    codec profile and KV dtype, ``Scheme.for_card``); unbound without one (validation only)."""
     spec = spec.strip()
     name, sep, quality = spec.partition(":")
     if not name:
         raise ConfigError(f"empty codec name in {spec!r}")
-    if not sep:
-        return get_scheme(name, profile=profile)
-    try:
-        q = int(quality)
-    except ValueError:
-        raise ConfigError(f"codec {spec!r}: quality must be an integer, got {quality!r}") from None
-    return get_scheme(name, q, profile=profile)
+    q: Optional[int] = None
+    if sep:
+        try:
+            q = int(quality)
+        except ValueError:
+            raise ConfigError(f"codec {spec!r}: quality must be an integer, got {quality!r}") from None
+    scheme = get_scheme(name, q)
+    return scheme if card is None else scheme.for_card(card)
 
 
-def parse_ladder(specs: str | Sequence[str], profile: Optional[str] = None) -> List[Scheme]:
-    """Schemes of a comma list (or a sequence) of rung specs; duplicates are errors."""
+def parse_ladder(specs: str | Sequence[str], card: Optional[Any] = None) -> List[Scheme]:
+    """Schemes of a comma list (or a sequence) of rung specs, bound to ``card`` (``parse_rung``);
+    duplicates are errors."""
     items = [s for s in (specs.split(",") if isinstance(specs, str) else specs) if s.strip()]
     if not items:
         raise ConfigError(f"no codec named in {specs!r}")
     out: List[Scheme] = []
     for spec in items:
-        scheme = parse_rung(spec, profile)
+        scheme = parse_rung(spec, card)
         if any(s.identity == scheme.identity for s in out):
             raise ConfigError(f"codec {spec.strip()!r} is named twice")
         out.append(scheme)
@@ -47,13 +50,14 @@ def parse_ladder(specs: str | Sequence[str], profile: Optional[str] = None) -> L
 
 def rung_name(scheme: Scheme) -> str:
     """The spec that names ``scheme`` (its quality shown when it is not the default)."""
-    from .codecs import SCHEMES
+    from .codecs import BOUND_PARAMS, SCHEMES
 
     base = SCHEMES.get(scheme.name)
     if base is None or scheme.quality_param is None:
         return scheme.name
     params, default = ((scheme.layout_params, base.layout_params) if scheme.quality_in == "layout"
                        else (scheme.codec_params, base.codec_params))
-    if {k: v for k, v in params.items() if k != "profile"} == default:
+    if {k: v for k, v in params.items() if k not in BOUND_PARAMS} == \
+            {k: v for k, v in default.items() if k not in BOUND_PARAMS}:
         return scheme.name
     return f"{scheme.name}:{params[scheme.quality_param]}"

@@ -3,10 +3,11 @@
 A ``Layout`` turns a KV chunk into planes (``[frames, height, width]``, uint8, or uint16 for the
 10-bit ``pca10``) plus named side sections (quantization scales, steps, token order...), and back.
 ``to_planes`` may lose precision (quantization); ``from_planes`` must be exact for the planes it is
-given, cheap, and return float16 ``[layers, 2, kv_heads, tokens, head_dim]``. Layouts with
+given, cheap, and return float16 ``[layers, 2, kv_heads, tokens, head_dim]`` (``native``, the
+engine's own bytes, returns its ``dtype`` parameter's: float16 or float32). Layouts with
 ``needs_positions`` (keys before RoPE) take ``token_start`` as a keyword in both directions. Layouts
 that project on a per-model codec profile take its name as the ``profile`` parameter (the model
-card names it; ``format.codecs.Scheme.with_profile``).
+card names it; ``format.codecs.Scheme.for_card``).
 """
 from __future__ import annotations
 
@@ -32,13 +33,13 @@ class Layout:
         raise NotImplementedError
 
     def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], geometry: Geometry) -> np.ndarray:
-        """Return the KV chunk as float16 ``geometry.shape``."""
+        """Return the KV chunk as float16 ``geometry.shape`` (``native``: as its ``dtype``)."""
         raise NotImplementedError
 
 
 LAYOUTS: Registry = Registry("layout")
 LAYOUTS.register("q8", "kvcodec.layout.quant:PerChannel8")
-LAYOUTS.register("fp16", "kvcodec.layout.fp16:Fp16Bytes")
+LAYOUTS.register("native", "kvcodec.layout.native:NativeBytes")
 LAYOUTS.register("qn", "kvcodec.layout.nlevel:PerChannelN")
 LAYOUTS.register("cg", "kvcodec.layout.cachegen:CacheGenQuant")
 LAYOUTS.register("pca", "kvcodec.layout.transform:PcaUniform")
@@ -46,5 +47,5 @@ LAYOUTS.register("pca10", "kvcodec.layout.transform:PcaVideo")
 
 
 def get_layout(name: str, **params) -> Layout:
-    """The layout ``name`` made with its parameters (``levels``, ``bins``...); none for q8/fp16."""
+    """The layout ``name`` made with its parameters (``levels``, ``bins``, ``dtype``...); none for q8."""
     return LAYOUTS.get(name)(**params)

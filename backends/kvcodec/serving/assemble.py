@@ -1,8 +1,10 @@
 """Collects a request's restored chunks (they arrive one by one, as separate step calls) and
 says when the request is complete.
 
-``add(info, kv)`` copies each chunk into its slot of one preallocated float16 array per request
-(no concatenation, and no reference kept to the step's input buffers) and returns ``None`` until
+``add(info, kv)`` copies each chunk into its slot of one preallocated array per request (no
+concatenation, and no reference kept to the step's input buffers), in float16, or in float32 once a
+float32 chunk (``raw`` on a float32 engine) is among them: the adaptive fetcher may mix rungs, and
+float16 widens to float32 exactly, so every chunk stays what it restored to. It returns ``None`` until
 all ``count`` chunks of ``info.session`` are in, then an ``Assembled``: the KV of the longest run
 of good chunks from the start (a view of that array; ``None`` if there is none) and the
 per-request statistics. Sessions that never complete are dropped after ``ttl_s``.
@@ -21,7 +23,7 @@ from .stats import RequestStats
 
 @dataclass
 class Assembled:
-    past_kv: Optional[np.ndarray]  # float16 [layers, 2, kv_heads, reused_tokens, head_dim] (a view), or None
+    past_kv: Optional[np.ndarray]  # float16|float32 [layers, 2, kv_heads, reused_tokens, head_dim] (a view), or None
     infos: List[ChunkInfo]
     reused_tokens: int
     reason: str = ""  # why reuse stopped short (empty when every planned chunk was used)
@@ -55,13 +57,15 @@ class Assembler:
             else:
                 if pending.kv is None:
                     layers, two, heads, _, dim = kv.shape
-                    pending.kv = np.empty((layers, two, heads, info.count * info.tokens, dim), dtype=np.float16)
+                    pending.kv = np.empty((layers, two, heads, info.count * info.tokens, dim), dtype=kv.dtype)
                 start = info.index * info.tokens
                 if pending.kv.shape[:3] + pending.kv.shape[4:] != kv.shape[:3] + kv.shape[4:]:
                     info.fail("error", f"restored KV has shape {list(kv.shape)}, other chunks "
                                        f"{list(pending.kv.shape)}")
                 else:
-                    pending.kv[:, :, :, start:start + info.tokens] = kv
+                    if kv.dtype.itemsize > pending.kv.dtype.itemsize:  # a float32 chunk among float16 ones:
+                        pending.kv = pending.kv.astype(kv.dtype)  # widen the request (exact), once
+                    pending.kv[:, :, :, start:start + info.tokens] = kv  # float16 into float32: exact
         if len(pending.infos) < info.count:
             return None
         del self._pending[info.session]

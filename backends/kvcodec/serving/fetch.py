@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import KVCodecError, StoreTimeout
 from ..format.codecs import Scheme
@@ -83,11 +83,13 @@ class Estimate:
 class Fetcher:
     def __init__(self, store: KVStore, model_id: str, codecs: Sequence[str], chunk_tokens: int,
                  costs: Optional[CostModel] = None, adaptive: bool = False, deadline_s: float = 0.0,
-                 profile: Optional[str] = None, timeout_s: float = 20.0) -> None:
+                 card: Optional[Any] = None, timeout_s: float = 20.0) -> None:
+        """``card``: the model's ``engines.ModelCard``; every rung is bound to it (codec profile,
+        KV dtype: ``Scheme.for_card``), so the keys are those ingest wrote for this engine."""
         self.store = store
         self.model_id = model_id
-        self.profile = profile  # the model's codec profile (from its engine's model card)
-        self.schemes = parse_ladder(list(codecs), profile)
+        self.card = card
+        self.schemes = parse_ladder(list(codecs), card)
         self.chunk_tokens = chunk_tokens
         self.costs = costs or CostModel()
         self.adaptive = adaptive
@@ -167,7 +169,7 @@ class Fetcher:
         deadline = time.monotonic() + self.timeout_s
         adaptive = self.adaptive and not codecs
         try:
-            schemes = parse_ladder(list(codecs), self.profile) if codecs else None
+            schemes = parse_ladder(list(codecs), self.card) if codecs else None
             plan = self.plan(ids, schemes, deadline) if reuse else None
             reason = "" if reuse else "reuse disabled by the request"
         except StoreTimeout as exc:

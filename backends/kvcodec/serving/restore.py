@@ -1,4 +1,8 @@
-"""Step ``kv_restore``: typed planes -> float16 KV ``[layers, 2, kv_heads, tokens, head_dim]``.
+"""Step ``kv_restore``: typed planes -> KV ``[layers, 2, kv_heads, tokens, head_dim]``.
+
+The KV is float16, except from the ``native`` layout (``raw``), which restores the engine's own
+dtype exactly: float16 or float32 (``KV_DTYPES``). Over Triton it leaves as ``kv`` (float16) or
+``kv32`` (float32), the other one empty (``EMPTY_KV`` / ``EMPTY_KV32``).
 
 ``restore(decoded)`` makes (once per layout and settings, cached) the chunk's layout and runs its
 ``from_planes``. The planes must have the dtype and shape the header names; the header must name
@@ -24,6 +28,10 @@ from .chunkinfo import ChunkInfo
 from .decode import Decoded, status_of
 
 EMPTY_KV = np.zeros((0, 2, 0, 0, 0), dtype=np.float16)
+EMPTY_KV32 = np.zeros((0, 2, 0, 0, 0), dtype=np.float32)
+# The dtypes restore returns, each with the unsigned view and the exponent mask of its bits: every
+# exponent bit set is inf or NaN.
+KV_DTYPES = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000)}
 _LAYOUTS: Dict[str, Layout] = {}
 
 
@@ -45,7 +53,8 @@ def _layout(header: ChunkHeader) -> Layout:
 
 
 def restore(decoded: Decoded) -> np.ndarray:
-    """Float16 KV ``[layers, 2, kv_heads, tokens, head_dim]`` of a decoded chunk."""
+    """KV ``[layers, 2, kv_heads, tokens, head_dim]`` of a decoded chunk: float16, or the engine's
+    own float32 for a ``native`` chunk made for it."""
     header, planes = decoded.header, decoded.planes
     if header is None:
         raise CorruptChunk("no chunk header to restore with")
@@ -58,9 +67,12 @@ def restore(decoded: Decoded) -> np.ndarray:
         kv = layout.from_planes(planes, decoded.side, header.geometry, **at)
     except ConfigError as exc:  # e.g. a codec profile this build does not ship
         raise ForeignChunk(f"chunk layout {header.layout} settings not understood: {exc}") from None
-    # float16 with every exponent bit set is inf or NaN: side data that parses but does not make
-    # finite KV (a writer's bug) is a corrupt chunk, never KV (0.3 ms a chunk, against 4 for isfinite)
-    if ((kv.view(np.uint16) & 0x7C00) == 0x7C00).any():
+    if kv.dtype not in KV_DTYPES:
+        raise CorruptChunk(f"layout {header.layout} restored {kv.dtype} KV, not float16 or float32")
+    # every exponent bit set is inf or NaN: side data that parses but does not make finite KV (a
+    # writer's bug) is a corrupt chunk, never KV (0.3 ms a float16 chunk, against 4 for isfinite)
+    bits, exponent = KV_DTYPES[kv.dtype]
+    if ((kv.view(bits) & exponent) == exponent).any():
         raise CorruptChunk("restored KV holds values that are not finite")
     return kv
 
@@ -110,7 +122,7 @@ def from_descriptor(text: Any, side: np.ndarray, planes: np.ndarray) -> Decoded:
 
 
 class RestoreStep:
-    """Planes -> float16 KV ``[layers, 2, kv_heads, tokens, head_dim]``."""
+    """Planes -> KV ``[layers, 2, kv_heads, tokens, head_dim]`` (float16, or float32 from ``raw``)."""
 
     def run_described(self, info: ChunkInfo, text: Any, side: np.ndarray, planes: np.ndarray) -> np.ndarray:
         """``run`` on the wire form that kv_decode sent (a bad descriptor marks the chunk failed)."""

@@ -48,6 +48,8 @@ class RequestStats:
     server_ttft_s: Optional[float] = None  # wall clock from t_request to the first token
     generated_tokens: Optional[int] = None  # tokens generated (last response only)
     generate_s: Optional[float] = None  # engine seconds for all tokens (last response only)
+    engine: Dict[str, float] = field(default_factory=dict)  # what the engine reports: load_s (restored KV
+    # into its blocks), saved_chunks and save_copy_s (write-back), ... (engines that page their KV)
     final: Optional[bool] = None  # whether this is the last response's record
 
     @classmethod

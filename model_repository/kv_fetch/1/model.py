@@ -3,7 +3,7 @@
 The optional ``codecs`` input (a comma list of rung specs, e.g. ``raw`` or ``video:12``) restricts
 this request to those rungs, chosen statically; without it the server's ladder is used, chosen
 per chunk by the adaptive fetcher when the ``adaptive`` setting is on. The model is never loaded
-here: its card (identity, vocabulary, context, codec profile) is all this step needs.
+here: its card (identity, vocabulary, context, codec profile, KV dtype) is all this step needs.
 """
 import logging
 import uuid
@@ -40,7 +40,7 @@ class TritonPythonModel:
         costs = for_settings(self.settings, self.card.geometry(1).fp16_bytes)
         self.fetcher = Fetcher(self.store, self.card.model_id, self.settings.ladder, self.settings.chunk_tokens,
                                costs=costs, adaptive=self.settings.adaptive, deadline_s=self.settings.deadline_s,
-                               profile=self.card.codec_profile, timeout_s=self.settings.fetch_timeout_s)
+                               card=self.card, timeout_s=self.settings.fetch_timeout_s)
 
     def _parse(self, request) -> Request:
         ids = get_array(request, "input_ids", np.int32, ndim=1)

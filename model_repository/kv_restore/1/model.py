@@ -1,9 +1,12 @@
-"""kv_restore: typed planes -> float16 KV in the engine's layout (a bad chunk is marked, never raised)."""
+"""kv_restore: typed planes -> KV in the engine's layout (a bad chunk is marked, never raised).
+
+The KV leaves as ``kv`` (float16) or ``kv32`` (float32: raw on a float32 engine), the other one empty.
+"""
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kvcodec.serving.chunkinfo import ChunkInfo
-from kvcodec.serving.restore import RestoreStep
+from kvcodec.serving.restore import EMPTY_KV, EMPTY_KV32, RestoreStep
 from kvcodec.triton import error_response, get_array, get_text, passthrough, tensor, text_tensor
 
 
@@ -20,8 +23,10 @@ class TritonPythonModel:
                 planes = planes16 if planes16.size else get_array(request, "planes8", np.uint8)
                 kv = self.step.run_described(info, get_text(request, "chunk_header"),
                                              get_array(request, "side", np.uint8), planes)
+                wide = kv.dtype == np.float32
                 responses.append(pb_utils.InferenceResponse(passthrough(request, "input_ids", "max_tokens") + [
-                    tensor("kv", kv),
+                    tensor("kv", EMPTY_KV if wide else kv),
+                    tensor("kv32", kv if wide else EMPTY_KV32),
                     text_tensor("chunk_info", info.to_json()),
                 ]))
             except Exception as exc:

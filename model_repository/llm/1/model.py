@@ -1,15 +1,25 @@
 """llm: gather a request's restored chunks, then generate; one response per new token.
 
-The engine comes from the registry (``engine`` setting, ``KVCODEC_ENGINE``). Every request's
-stream ends with a FINAL response, also when generation fails half-way.
+The engine comes from the registry (``engine`` setting, ``KVCODEC_ENGINE``). ``execute`` only
+gathers chunks (``Assembler``, on Triton's thread); a request whose chunks are all in is answered
+on a worker thread, up to ``engine.max_concurrency`` at once (1 for the transformers engine; many
+for vLLM, which batches them). Every request's stream ends with a FINAL response, also when
+generation fails half-way.
+
+Calls into ``pb_utils`` (responses, metrics) go through one lock: the stub's shared-memory
+allocator is not thread-safe (concurrent metric updates crashed the server with
+``boost::interprocess::lock_exception`` in ``Metric::SendIncrementRequest``).
 """
 import json
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kvcodec.engines import open_engine
+from kvcodec.errors import KVCodecError
 from kvcodec.serving.assemble import Assembler
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.costs import for_settings, record_request
@@ -27,39 +37,69 @@ class TritonPythonModel:
         self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)
         self.assembler = Assembler()
         self.metrics = _Metrics()
+        self.pb_lock = threading.Lock()  # one thread at a time in pb_utils (see the module's docstring)
+        self.workers = ThreadPoolExecutor(max_workers=max(1, int(getattr(self.engine, "max_concurrency", 1))),
+                                          thread_name_prefix="llm")
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            final_sent = False
             try:
                 info = ChunkInfo.from_json(get_text(request, "chunk_info"))
-                assembled = self.assembler.add(info, get_array(request, "kv", np.float16))  # copied into its slot
+                kv32 = get_array(request, "kv32", np.float32)  # float32 (raw, a float32 engine's own) or empty
+                kv = kv32 if kv32.size else get_array(request, "kv", np.float16)
+                assembled = self.assembler.add(info, kv)  # copied into its slot
                 if assembled is None:  # more chunks of this request to come
+                    self._send(sender, None, FINAL)
                     continue
                 ids = get_array(request, "input_ids", np.int32, ndim=1).tolist()
                 max_tokens = int(get_scalar(request, "max_tokens", np.int32))
-                reused = tensor("reused_tokens", np.array([assembled.reused_tokens], np.int32))
-                for event in generate(self.engine, ids, max_tokens, assembled):
-                    if event.final:
-                        self.metrics.record(event.stats)
-                        _safely(record_request, self.costs, event.stats, self.settings.chunk_tokens)
-                    stats = json.dumps(event.stats.to_dict()) if event.stats else "{}"
-                    sender.send(pb_utils.InferenceResponse([
-                        tensor("output_ids", np.array([event.token], np.int32)),
-                        text_tensor("text_output", event.text),
-                        reused,
-                        text_tensor("stats", stats),
-                    ]))
             except Exception as exc:
-                sender.send(error_response(exc), flags=FINAL)
-                final_sent = True
-            finally:
-                if not final_sent:
-                    sender.send(flags=FINAL)
+                self._send(sender, error_response(exc), FINAL)
+                continue
+            self.workers.submit(self._answer, sender, ids, max_tokens, assembled)
         return None
 
+    def _answer(self, sender, ids, max_tokens, assembled):
+        """Generate and stream one request's tokens (a worker thread); always ends with FINAL."""
+        final_sent = False
+        try:
+            reused = tensor("reused_tokens", np.array([assembled.reused_tokens], np.int32))
+            for event in generate(self.engine, ids, max_tokens, assembled):
+                if event.final:
+                    with self.pb_lock:
+                        self.metrics.record(event.stats)
+                    _safely(record_request, self.costs, event.stats, self.settings.chunk_tokens)
+                if event.stats:
+                    reused = tensor("reused_tokens", np.array([event.stats.reused_tokens], np.int32))
+                stats = json.dumps(event.stats.to_dict()) if event.stats else "{}"
+                self._send(sender, pb_utils.InferenceResponse([
+                    tensor("output_ids", np.array([event.token], np.int32)),
+                    text_tensor("text_output", event.text),
+                    reused,
+                    text_tensor("stats", stats),
+                ]))
+        except Exception as exc:
+            if not isinstance(exc, KVCodecError):
+                log.exception("generation failed")
+            self._send(sender, error_response(exc), FINAL)
+            final_sent = True
+        finally:
+            if not final_sent:
+                self._send(sender, None, FINAL)
 
+    def _send(self, sender, response, flags=0):
+        with self.pb_lock:
+            if response is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response, flags=flags)
+
+    def finalize(self):
+        self.workers.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 def _safely(fn, *args):
     try:
         fn(*args)

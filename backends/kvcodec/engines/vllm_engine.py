@@ -1,0 +1,300 @@
+"""The vLLM engine (``vllm``): paged KV, continuous batching, restored KV through a KV connector.
+
+It keeps the contract of ``kvcodec.engines``. One ``LLMEngine`` runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, worker and model in one process, which the
+in-process hand-off of ``vllm_connector`` needs) and one thread steps it; ``stream`` may be called
+from many threads at once, and the requests in flight are batched by vLLM's scheduler, reuse and
+prefill mixed.
+
+- ``stream(ids, max_tokens, past_kv=None, report=None)``: posts the restored KV as an ``Offer``,
+  adds the request, yields its tokens as the engine steps. The connector loads ``past_kv`` into the
+  request's blocks (block-aligned, at least one prompt token computed); ``report`` (a dict), if
+  given, receives ``reused_tokens`` (what the engine took), ``load_s``, ``saved_chunks``.
+- Write-back (``Settings.writeback``, default the ladder's first rung; ``off`` turns it off): the
+  prompt's new full chunks are read out of the blocks after its prefill (``wait_for_save``) and
+  encoded and stored by one background thread (``connector.WriteBack``, bounded: a full queue
+  drops, counted), so encoding adds nothing to this request's TTFT.
+- ``prefill_chunks`` (ingest) runs a one-token request whose save sink collects the chunks: the
+  KV is the engine's own, exactly (``kv_dtype`` float32 on the CPU build).
+
+The model's identity is the model files' identity plus ``/vllm-<dtype>``: vLLM's KV differs from
+the transformers engine's in the last bits, so chunks of one engine are misses for the other, and
+the ``raw`` rung is bit-exact to the engine that reuses it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import replace
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import BadRequest, Unsupported
+from ..format.geometry import Geometry
+from . import ModelCard, model_files
+from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("kvcodec.vllm")
+
+MAX_MODEL_LEN = 4096  # the engine's context: the card says so, requests are checked against it
+# Settings that worked on the CPU build (../shared/FINDINGS.md); an operator's own values win.
+ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (182 blocks of 128 tokens for SmolLM2-135M)
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout is the program's (``--json`` output)
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def _utf8_locale() -> None:
+    """An embedded interpreter (Triton's python stub) starts in the C locale, where ``open()``
+    reads ASCII; torch, imported by vLLM, reads UTF-8 templates. Take the environment's locale
+    (``LANG``/``LC_ALL``, UTF-8 in ``perf.tritonserver``) or C.UTF-8 for text encoding."""
+    import locale
+
+    if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+        return
+    for name in ("", "C.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+        except locale.Error:
+            continue
+        if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+            return
+    log.warning("no UTF-8 locale: importing vLLM may fail to read its templates")
+
+
+def _device_dtype() -> str:
+    import torch
+
+    return "float16" if torch.cuda.is_available() else "float32"
+
+
+class VllmEngine:
+    max_concurrency = 32  # requests in flight; vLLM's scheduler batches them (and queues past its KV space)
+
+    @classmethod
+    def model_card(cls, settings) -> ModelCard:
+        base = model_files.card(settings.model_cache)
+        dtype = _device_dtype()
+        return replace(base, model_id=f"{base.model_id}/vllm-{dtype}", kv_dtype=dtype,
+                       max_context=min(base.max_context, MAX_MODEL_LEN))
+
+    @classmethod
+    def prepare(cls, settings) -> None:
+        model_files.ensure_model(settings.model_cache)
+
+    @classmethod
+    def tokenizer(cls, settings):
+        from .tokenizer import Tokenizer
+
+        return Tokenizer(model_files.ensure_model(settings.model_cache))
+
+    @classmethod
+    def from_settings(cls, settings) -> "VllmEngine":
+        return cls(settings)
+
+    def __init__(self, settings) -> None:
+        for name, value in ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise Unsupported("the vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the connector's hand-off is "
+                              "in-process)")
+        if settings.threads:
+            os.environ.setdefault("OMP_NUM_THREADS", str(settings.threads))
+        _utf8_locale()
+        from vllm import EngineArgs, LLMEngine
+        from vllm.config import KVTransferConfig
+
+        from .tokenizer import Tokenizer
+
+        self.settings = settings
+        files = model_files.ensure_model(settings.model_cache)
+        self.card = self.model_card(settings)
+        self.model_id = self.card.model_id
+        self.tokenizer = Tokenizer(files)
+        self.chunk_tokens = settings.chunk_tokens
+        args = EngineArgs(
+            model=str(files.path), dtype=self.card.kv_dtype, enforce_eager=True, max_model_len=self.card.max_context,
+            seed=0, enable_prefix_caching=False,  # the store is the prefix cache: every reuse is measured
+            disable_log_stats=True,
+            kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
+                                                kv_connector_module_path="kvcodec.engines.vllm_connector"),
+        )
+        self._engine = LLMEngine.from_engine_args(args)
+        self._inbox: "queue.Queue" = queue.Queue()
+        self._streams: Dict[str, "queue.Queue"] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self.writeback = _WriteBack(settings, self.card) if settings.writeback else None
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- the contract -------------------------------------------------------------------------
+    def geometry(self, tokens: int) -> Geometry:
+        return self.card.geometry(tokens)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer.decode)
+
+    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
+               report: Optional[dict] = None) -> Iterator[int]:
+        if len(ids) == 0:
+            raise BadRequest("prompt is empty")
+        if past_kv is not None and past_kv.shape[3] >= len(ids):
+            raise BadRequest("restored KV covers the whole prompt; at least one token must be computed")
+        save = None
+        if self.writeback is not None:
+            save = self.writeback.sink(list(ids))
+        yield from self._run(ids, max_tokens, past_kv, save, report)
+
+    def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]:
+        if chunk_tokens != self.chunk_tokens:
+            raise Unsupported(f"the vllm engine saves chunks of {self.chunk_tokens} tokens, asked for {chunk_tokens}")
+        chunks: Dict[int, np.ndarray] = {}
+        for _ in self._run(ids, 1, None, lambda index, start, kv: chunks.__setitem__(index, kv), None):
+            pass
+        for index in range(len(ids) // chunk_tokens):
+            yield chunks[index]
+
+    def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+        raise Unsupported("the quality harness (eval, rd) scores codecs on the transformers engine's logits")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+        if self.writeback is not None:
+            self.writeback.close()
+
+    # -- one request --------------------------------------------------------------------------
+    def _run(self, ids, max_tokens: int, past_kv, save, report: Optional[dict]) -> Iterator[int]:
+        from .vllm_connector import HANDOFF, Offer
+
+        request_id = f"kvc{next(self._ids)}x{uuid.uuid4().hex[:8]}"
+        offer = Offer(past_kv=past_kv, chunk_tokens=self.chunk_tokens, save=save)
+        HANDOFF.post(request_id, offer)
+        tokens: "queue.Queue" = queue.Queue()
+        self._inbox.put(("add", request_id, list(ids), int(max_tokens), tokens))
+        done = False
+        try:
+            while True:
+                item = tokens.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    done = True
+                    return
+                if report is not None and "reused_tokens" not in report:
+                    report.update(reused_tokens=offer.loaded_tokens, load_s=round(offer.load_s, 6))
+                yield item
+        finally:
+            if not done:
+                self._inbox.put(("abort", request_id))
+            HANDOFF.pop(request_id)
+            if report is not None:
+                report["saved_chunks"] = offer.saved_chunks
+                report["save_copy_s"] = round(offer.save_s, 6)
+
+    def _loop(self) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._engine
+        while not self._stop.is_set():
+            commands = [] if self._streams else [self._inbox.get()]  # idle: wait for work
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is None:
+                    return
+                if command[0] == "add":
+                    _, request_id, ids, max_tokens, out = command
+                    try:
+                        params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                output_kind=RequestOutputKind.DELTA)
+                        engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+                        self._streams[request_id] = out
+                    except Exception as exc:  # e.g. a prompt longer than the engine's context
+                        out.put(BadRequest(str(exc)[:300]) if isinstance(exc, ValueError) else exc)
+                elif command[0] == "abort":
+                    if self._streams.pop(command[1], None) is not None:
+                        engine.abort_request([command[1]])
+            if not self._streams:
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                log.exception("vLLM engine step failed")
+                for out in self._streams.values():
+                    out.put(exc)
+                self._streams.clear()
+                continue
+            for output in outputs:
+                out = self._streams.get(output.request_id)
+                if out is None:
+                    continue
+                for token in output.outputs[0].token_ids:
+                    out.put(int(token))
+                if output.finished:
+                    out.put(None)
+                    del self._streams[output.request_id]
+
+
+class _WriteBack:
+    """Save after a miss: the full chunks the engine computed, encoded at the write-back rungs and
+    stored under the prompt's keys, on ``connector.WriteBack``'s background thread."""
+
+    def __init__(self, settings, card: ModelCard) -> None:
+        from ..connector import WriteBack
+        from ..encode import ChunkEncoder
+        from ..format.auth import load_auth
+        from ..format.ladder import parse_ladder
+        from ..store import open_store
+
+        self.card = card
+        self.chunk_tokens = settings.chunk_tokens
+        schemes = parse_ladder(list(settings.writeback), card)
+        auth = load_auth(settings.key_file)
+        self.encoders = [(s, ChunkEncoder(s, card.model_id, auth=auth, threads=1)) for s in schemes]
+        self.store = open_store(settings.store)
+        self.queue = WriteBack(self._store, max_pending=8, name="kv-writeback")
+
+    def sink(self, ids: List[int]):
+        def save(index: int, start: int, kv: np.ndarray) -> None:
+            self.queue.offer((ids[:start + kv.shape[3]], index, start, kv))
+
+        return save
+
+    def _store(self, job) -> None:
+        from ..format.keys import chunk_keys
+
+        ids, index, start, kv = job
+        for scheme, encoder in self.encoders:
+            key = chunk_keys(ids, self.card.model_id, scheme.identity, self.chunk_tokens)[index]
+            if not self.store.exists(key):
+                t = time.perf_counter()
+                self.store.put(key, encoder.encode(kv, key, index, start))
+                log.info("write-back: chunk %d at %s in %.2f s", index, scheme.name, time.perf_counter() - t)
+
+    def stats(self) -> dict:
+        return self.queue.stats()
+
+    def close(self) -> None:
+        self.queue.close(timeout_s=30)
+        self.store.close()
+
+
