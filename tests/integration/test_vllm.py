@@ -163,3 +163,14 @@ def test_concurrent_requests_are_batched_and_each_answer_is_its_own(context_raw,
     assert results[0].reused_tokens == 512 and results[1].reused_tokens == 0
     # batched: the four together take less than the sum of their own times
     assert wall < sum(r.total_s for r in results)
+
+
+def test_eval_scores_a_codec_on_vllms_own_logits(vsettings, tokenizer, tmp_path):
+    """``kvcodec eval --engine vllm``: vLLM's KV through a codec, scored on vLLM's own next-token
+    distributions (one batched request per continuation position)."""
+    path = tmp_path / "text.txt"
+    path.write_text(text_of(tokenizer, "heapq.py", 600))
+    report = json.loads(cli(vsettings, "eval", "--engine", "vllm", "--text-file", str(path), "--prefix-tokens", "512",
+                            "--continuation-tokens", "16", "--codec", "int8-zstd", "--json").stdout)
+    assert report["prefix_tokens"] == 512 and 1.9 < report["ratio_vs_fp16"] < 2.3
+    assert 0 < report["mean_kl"] < 0.01 and report["top1_agreement"] >= 0.9

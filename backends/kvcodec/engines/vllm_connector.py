@@ -202,8 +202,15 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
+        from vllm.platforms import current_platform
+
         layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
-        self.pages = KVPages.from_vllm(layers, self.kv_heads, self.head_dim, block_size=self.block_size)
+        # vLLM 0.32 hands every backend's layer as [blocks, heads, block_size, 2*head_dim]; the CPU
+        # kernel stores K transposed in it (measured), the GPU backends one token's [K|V] per row
+        # (flash_attn.py splits the last dim; not run here: no GPU build of vLLM on these machines)
+        layout = "cpu_attn" if current_platform.is_cpu() else "token_kv"
+        self.pages = KVPages.from_vllm(layers, self.kv_heads, self.head_dim, block_size=self.block_size,
+                                       layout=layout)
         log.info("kvcodec connector: %d layers, %d blocks of %d tokens, %s", self.pages.layers,
                  self.pages.num_blocks, self.pages.block_size, self.pages.dtype)
 

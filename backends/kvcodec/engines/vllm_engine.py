@@ -124,13 +124,13 @@ class VllmEngine:
         args = EngineArgs(
             model=str(files.path), dtype=self.card.kv_dtype, enforce_eager=True, max_model_len=self.card.max_context,
             seed=0, enable_prefix_caching=False,  # the store is the prefix cache: every reuse is measured
-            disable_log_stats=True,
+            disable_log_stats=True, max_logprobs=-1,  # continuation_logprobs asks for the whole vocabulary
             kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
                                                 kv_connector_module_path="kvcodec.engines.vllm_connector"),
         )
         self._engine = LLMEngine.from_engine_args(args)
         self._inbox: "queue.Queue" = queue.Queue()
-        self._streams: Dict[str, "queue.Queue"] = {}
+        self._streams: Dict[str, tuple] = {}  # request id -> (its queue, whether it wants its whole output)
         self._ids = itertools.count()
         self._stop = threading.Event()
         self.writeback = _WriteBack(settings, self.card) if settings.writeback else None
@@ -168,7 +168,36 @@ class VllmEngine:
             yield chunks[index]
 
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray:
-        raise Unsupported("the quality harness (eval, rd) scores codecs on the transformers engine's logits")
+        """Log-probabilities over the whole vocabulary (``[len(ids), vocab]``) of the token after
+        each of ``ids``, on ``past_kv`` loaded through the connector: one request per position
+        (``ids[:i+1]`` after the prefix, one token with its full distribution), all batched.
+        vLLM's prompt log-probabilities would need one request, but a request that asks for them
+        takes no KV from a connector (every prompt token must be computed). The prefix's token ids
+        do not matter (its KV is loaded, never computed), so it must be whole blocks."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        n = int(past_kv.shape[3])
+        block = self._block_size()
+        if n % block:
+            raise Unsupported(f"the vllm engine scores a prefix of whole {block}-token blocks, got {n} tokens")
+        extra = dict(logprobs=-1, detokenize=False)
+
+        def row(i: int) -> np.ndarray:
+            report: dict = {}
+            output = list(self._run([0] * n + list(ids[:i + 1]), 1, past_kv, None, report, extra))[-1]
+            if report.get("reused_tokens") != n:
+                raise Unsupported(f"vLLM took {report.get('reused_tokens')} of the {n} prefix tokens")
+            dist = output.outputs[0].logprobs[0]
+            out = np.full(self.card.vocab_size, -np.inf, dtype=np.float32)
+            out[np.fromiter(dist.keys(), dtype=np.int64, count=len(dist))] = np.fromiter(
+                (v.logprob for v in dist.values()), dtype=np.float32, count=len(dist))
+            return out
+
+        with ThreadPoolExecutor(8) as pool:
+            return np.stack(list(pool.map(row, range(len(ids)))))
+
+    def _block_size(self) -> int:
+        return int(self._engine.vllm_config.cache_config.block_size)
 
     def close(self) -> None:
         self._stop.set()
@@ -178,14 +207,17 @@ class VllmEngine:
             self.writeback.close()
 
     # -- one request --------------------------------------------------------------------------
-    def _run(self, ids, max_tokens: int, past_kv, save, report: Optional[dict]) -> Iterator[int]:
+    def _run(self, ids, max_tokens: int, past_kv, save, report: Optional[dict],
+             extra: Optional[dict] = None) -> Iterator:
+        """The request's tokens as they come; with ``extra`` (more sampling parameters) its one
+        final ``RequestOutput`` instead."""
         from .vllm_connector import HANDOFF, Offer
 
         request_id = f"kvc{next(self._ids)}x{uuid.uuid4().hex[:8]}"
         offer = Offer(past_kv=past_kv, chunk_tokens=self.chunk_tokens, save=save)
         HANDOFF.post(request_id, offer)
         tokens: "queue.Queue" = queue.Queue()
-        self._inbox.put(("add", request_id, list(ids), int(max_tokens), tokens))
+        self._inbox.put(("add", request_id, list(ids), int(max_tokens), tokens, extra))
         done = False
         try:
             while True:
@@ -222,16 +254,17 @@ class VllmEngine:
                 if command is None:
                     return
                 if command[0] == "add":
-                    _, request_id, ids, max_tokens, out = command
+                    _, request_id, ids, max_tokens, out, extra = command
                     try:
-                        params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                output_kind=RequestOutputKind.DELTA)
+                        kind = RequestOutputKind.FINAL_ONLY if extra else RequestOutputKind.DELTA
+                        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=kind,
+                                                **(extra or {}))
                         engine.add_request(request_id, {"prompt_token_ids": ids}, params)
-                        self._streams[request_id] = out
+                        self._streams[request_id] = (out, bool(extra))
                     except Exception as exc:  # e.g. a prompt longer than the engine's context
                         out.put(BadRequest(str(exc)[:300]) if isinstance(exc, ValueError) else exc)
                 elif command[0] == "abort":
-                    if self._streams.pop(command[1], None) is not None:
+                    if self._streams.pop(command[1], None) is not None:  # still running
                         engine.abort_request([command[1]])
             if not self._streams:
                 continue
@@ -239,16 +272,19 @@ class VllmEngine:
                 outputs = engine.step()
             except Exception as exc:
                 log.exception("vLLM engine step failed")
-                for out in self._streams.values():
+                for out, _ in self._streams.values():
                     out.put(exc)
                 self._streams.clear()
                 continue
             for output in outputs:
-                out = self._streams.get(output.request_id)
-                if out is None:
+                if output.request_id not in self._streams:
                     continue
-                for token in output.outputs[0].token_ids:
-                    out.put(int(token))
+                out, whole = self._streams[output.request_id]
+                if whole:  # a scoring request (``extra``): its one final output
+                    out.put(output)
+                else:
+                    for token in output.outputs[0].token_ids:
+                        out.put(int(token))
                 if output.finished:
                     out.put(None)
                     del self._streams[output.request_id]
