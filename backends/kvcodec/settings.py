@@ -40,6 +40,8 @@ from .errors import ConfigError
 from .format.ladder import DEFAULT_LADDER, parse_ladder
 
 DECODER_CHOICES = ("pyav", "nvdec", "auto")
+# Model config parameters that Triton's python backend reads itself: not settings.
+TRITON_OWN_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from kvcodec.errors import ConfigError
+from kvcodec.settings import TRITON_OWN_PARAMETERS, Settings
+from kvcodec_client.repository import ON_GPU, render
+from kvcodec_client.repository import configs as variant_configs
+
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
 ENSEMBLE = "kvcodec"
 TYPE_NAME = model_config_pb2.DataType.Name
@@ -16,10 +21,18 @@ def _load(path: Path):
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
 
 
+@pytest.fixture(scope="module", params=["committed", "gpu"])
+def repo(request, tmp_path_factory) -> Path:
+    """The committed repository (the CPU variant) and every variant rendered from it."""
+    if request.param == "committed":
+        return REPO
+    return render(REPO, tmp_path_factory.mktemp("repo") / request.param, request.param)
+
+
 @pytest.fixture(scope="module")
-def configs():
-    found = {p.parent.name: _load(p) for p in sorted(REPO.glob("*/config.pbtxt"))}
-    assert found, f"no config.pbtxt under {REPO}"
+def configs(repo):
+    found = {p.parent.name: _load(p) for p in sorted(repo.glob("*/config.pbtxt"))}
+    assert found, f"no config.pbtxt under {repo}"
     return found
 
 
@@ -44,13 +57,13 @@ def test_every_config_parses_and_is_named_after_its_folder(configs):
             assert len(t.dims) > 0, f"{folder}.{t.name} has no dims"
 
 
-def test_each_model_is_a_python_model_with_its_model_py(configs):
+def test_each_model_is_a_python_model_with_its_model_py(configs, repo):
     for name, cfg in configs.items():
         if name == ENSEMBLE:
             assert cfg.platform == "ensemble"
             continue
         assert cfg.backend == "python", f"{name}: backend {cfg.backend!r}"
-        assert (REPO / name / "1" / "model.py").is_file(), f"{name}/1/model.py is missing"
+        assert (repo / name / "1" / "model.py").read_bytes() == (REPO / name / "1" / "model.py").read_bytes()
 
 
 def test_fetch_and_llm_are_decoupled(configs):
@@ -118,3 +131,38 @@ def test_restored_kv_travels_typed_to_llm(configs):
     steps = {s.model_name: s for s in configs[ENSEMBLE].ensemble_scheduling.step}
     for name in want:
         assert steps["llm"].input_map[name] == steps["kv_restore"].output_map[name]
+
+
+def test_the_gpu_variant_moves_decode_restore_and_llm_to_the_gpu_and_nothing_else():
+    cpu, gpu = variant_configs(REPO, "cpu"), variant_configs(REPO, "gpu", gpus=[1])
+    kind = model_config_pb2.ModelInstanceGroup
+    for name in cpu:
+        if name in ON_GPU:
+            assert [(g.kind, list(g.gpus), g.count) for g in gpu[name].instance_group] == [(kind.KIND_GPU, [1], 1)]
+            assert gpu[name].parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+        else:
+            assert gpu[name] == cpu[name], f"{name} changed in the gpu variant"
+    assert gpu["kv_decode"].parameters["decoder"].string_value == "nvdec"
+    for name in ON_GPU:  # everything but placement is the CPU repository's
+        same = model_config_pb2.ModelConfig()
+        same.CopyFrom(gpu[name])
+        del same.instance_group[:]
+        same.instance_group.extend(cpu[name].instance_group)
+        for key in ("FORCE_CPU_ONLY_INPUT_TENSORS", "decoder"):
+            if key in cpu[name].parameters:
+                same.parameters[key].CopyFrom(cpu[name].parameters[key])
+            elif key in same.parameters:
+                del same.parameters[key]
+        assert same == cpu[name]
+
+
+def test_the_variants_parameters_are_all_read_by_the_steps():
+    """A step's parameters become Settings (unknown keys are errors); Triton's own are left out."""
+    for cfg in variant_configs(REPO, "gpu").values():
+        Settings.load({k: v.string_value for k, v in cfg.parameters.items() if k not in TRITON_OWN_PARAMETERS},
+                      env={})
+
+
+def test_an_unknown_variant_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="variant must be one of cpu, gpu"):
+        render(REPO, tmp_path / "x", "tpu")

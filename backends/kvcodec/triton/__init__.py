@@ -19,15 +19,18 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..errors import BadRequest, StoreUnavailable, Unsupported
+from ..settings import TRITON_OWN_PARAMETERS
 
 log = logging.getLogger("kvcodec.triton")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 def model_parameters(args: Dict[str, str]) -> Dict[str, str]:
-    """A model's config ``parameters`` as a plain ``{key: string_value}``."""
+    """A model's config ``parameters`` as a plain ``{key: string_value}``, without the ones the
+    python backend reads itself (``settings.TRITON_OWN_PARAMETERS``)."""
     config = json.loads(args["model_config"])
-    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()
+            if k not in TRITON_OWN_PARAMETERS}
 
 
 def get_array(request, name: str, dtype, ndim: Optional[int] = None, required: bool = True) -> Optional[np.ndarray]:
@@ -36,12 +39,20 @@ def get_array(request, name: str, dtype, ndim: Optional[int] = None, required: b
         if required:
             raise BadRequest(f"input {name!r} is missing")
         return None
-    array = tensor.as_numpy()
+    array = tensor.as_numpy() if tensor.is_cpu() else _to_host(tensor)
     if dtype is not None and array.dtype != np.dtype(dtype):
         raise BadRequest(f"input {name!r} must be {np.dtype(dtype).name}, got {array.dtype.name}")
     if ndim is not None and array.ndim != ndim:
         raise BadRequest(f"input {name!r} must have {ndim} dimension(s), got shape {list(array.shape)}")
     return array
+
+
+def _to_host(tensor) -> np.ndarray:
+    """A tensor Triton left on a GPU (``FORCE_CPU_ONLY_INPUT_TENSORS: "no"``), copied to the host
+    for a step that works on numpy (DLPack: no copy until here)."""
+    import torch.utils.dlpack
+
+    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).cpu().numpy()
 
 
 def get_text(request, name: str) -> bytes:
