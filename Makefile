@@ -65,10 +65,26 @@ unit: setup
 integration: setup
 	$(BIN)/python -m pytest -q tests/integration
 
-# The TTFT sweep of the TTFT issue (root: network namespaces + tc; else the userspace shaper).
+# The TTFT sweep of the TTFT issue (root: network namespaces + tc; else the userspace shaper), then
+# the same with the vLLM engine (its venv), then the concurrency benchmark of both engines.
 bench: setup
 	$(BIN)/kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --runs 5 \
 		--json perf/results/ttft.json --plot perf/results/ttft.png
+	$(MAKE) setup-vllm
+	$(VBIN)/kvcodec bench ttft --engine vllm --bandwidth-mbps 100,1000 --context-tokens 1024 --runs 3 \
+		--methods prefill,raw,int8-zstd,cachegen,transform-zstd,video,kvcodec \
+		--json perf/results/ttft-vllm.json --plot perf/results/ttft-vllm.png
+	$(MAKE) bench-concurrency
+
+# Requests/s and TTFT against concurrent clients (reuse and prefill), both engines side by side in
+# one file: each run replaces its engine's rows of perf/results/concurrency.json (and the plot).
+.PHONY: bench-concurrency
+bench-concurrency: setup
+	$(MAKE) setup-vllm
+	$(BIN)/kvcodec bench concurrency --engine transformers --clients 1,4,8 --requests 4 \
+		--json perf/results/concurrency.json --plot perf/results/concurrency.png
+	$(VBIN)/kvcodec bench concurrency --engine vllm --clients 1,4,8 --requests 4 \
+		--json perf/results/concurrency.json --plot perf/results/concurrency.png
 
 # Every codec at several settings over the eval set (22 texts): perf/results/rd.json and rd.png.
 .PHONY: eval

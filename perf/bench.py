@@ -116,6 +116,8 @@ def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, 
                 if r.written:
                     print(f"  {name}: {r.ratio_vs_fp16:.2f}x vs fp16, encode {r.encode_s:.1f}s, "
                           f"decode {r.decode_s:.2f}s")
+    if hasattr(engine, "close"):
+        engine.close()  # vLLM: its stepping thread; each server starts its own engine
     del engine
 
     rows: List[dict] = []
@@ -128,7 +130,9 @@ def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, 
             links.append(dict(link.describe(), bandwidth_mbps=bw, store_url=url))
             server_settings = replace(settings, store=url, ladder=tuple(s.strip() for s in config.ladder.split(",")),
                                       adaptive=True, threads=config.threads)
-            with TritonServer(repository, server_settings, Ports(*free_ports(3))) as server:
+            server = TritonServer(repository, server_settings, Ports(*free_ports(3)))
+            server.start(timeout_s=600)  # the vLLM engine takes a while to load
+            try:
                 client = KVCodecClient(server.grpc_url, "grpc")
                 client.generate(prompts[config.contexts[0]][:32], 1, reuse=False)  # one-time costs
                 for n in config.contexts:
@@ -148,8 +152,10 @@ def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, 
                             wrong.append(f"{method} at {bw} Mbit/s, {n} tokens")
                         rows.append(row)
                         bar.update(1)
+            finally:
+                server.stop()
     bar.close()
-    result = {"rows": rows, "links": links, "config": {**config.__dict__, "rungs": rungs},
+    result = {"rows": rows, "links": links, "engine": settings.engine, "config": {**config.__dict__, "rungs": rungs},
               "checks": checks(rows), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1) + "\n")

@@ -10,6 +10,7 @@ the product library is ``kvcodec``; serving, benchmarks and the quality harness 
     kvcodec profile fit [--out backends/kvcodec/profiles/smollm2-135m-v1.npz] [--tokens 2048]
     kvcodec demo     [--json perf/results/demo.json]
     kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
+    kvcodec bench concurrency [--engine E] --clients 1,4,8 --requests 4 [--json perf/results/concurrency.json]
 
 Settings not given as flags come from ``KVCODEC_*`` variables, then defaults (see
 ``kvcodec.settings``); the store defaults to ``file://./.cache/store``.
@@ -206,6 +207,19 @@ def cmd_bench_ttft(args) -> int:
                      Path(args.plot) if args.plot else None)
 
 
+def cmd_bench_concurrency(args) -> int:
+    from perf.concurrency import ConcurrencyConfig, run_concurrency
+
+    try:
+        config = ConcurrencyConfig(args.clients, requests=args.requests, context_tokens=args.context_tokens,
+                                   contexts=args.contexts, max_tokens=args.max_tokens,
+                                   threads=args.threads if args.threads is not None else 2)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec bench concurrency: {exc}") from None
+    return run_concurrency(_settings(args), Path(args.model_repository), config, Path(args.json),
+                           Path(args.plot) if args.plot else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcodec", description="KV cache reuse through video codecs on Triton")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,6 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "ttft.png"))
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_bench_ttft)
+
+    p = bench.add_parser("concurrency", help="requests/s and TTFT against concurrent clients, reuse and prefill "
+                                             "(one server, file store; merges the engine's rows into the JSON)")
+    common(p)
+    p.add_argument("--clients", type=_list(int), default=[1, 4, 8], help="client counts (1, the baseline, is added)")
+    p.add_argument("--requests", type=int, default=4, help="requests per client, alternating reuse and prefill")
+    p.add_argument("--context-tokens", type=int, default=600)
+    p.add_argument("--contexts", type=int, default=3, help="different contexts the prompts are made of")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "concurrency.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "concurrency.png"))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_bench_concurrency)
 
     p = sub.add_parser("rd", help="every codec at several settings over the eval set: rd.json and rd.png")
     common(p)

@@ -2,6 +2,7 @@
 netns + tc as root, else the userspace shaper), one 256-token context (one chunk), one run per
 method, two new tokens. It runs the console script as a user would (ingest over loopback nginx,
 then link up -> nginx behind it -> tritonserver with that store) and checks the JSON and the plot.
+``kvcodec bench concurrency`` likewise, tiny: two client counts, two requests each, one chunk.
 """
 import json
 import os
@@ -66,3 +67,25 @@ def test_plot_written(bench):
     out, _ = bench
     png = out / "ttft.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_concurrency_transformers(tmp_path, settings):
+    """``kvcodec bench concurrency`` on a tiny run: clients 1 and 2, two requests each, a 300-token
+    context (one chunk reused): every answer equals the same request made alone."""
+    cmd = [KVCODEC, "bench", "concurrency", "--engine", "transformers", "--home", str(tmp_path / "home"),
+           "--model-cache", str(settings.model_cache), "--threads", "1", "--clients", "1,2", "--requests", "2",
+           "--context-tokens", "300", "--contexts", "2", "--max-tokens", "4",
+           "--json", str(tmp_path / "concurrency.json"), "--plot", str(tmp_path / "concurrency.png")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCODEC_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, \
+        f"kvcodec bench concurrency failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads((tmp_path / "concurrency.json").read_text())
+    rows = {(r["clients"], r["mode"]): r for r in doc["rows"]}
+    assert set(rows) == {(c, m) for c in (1, 2) for m in ("all", "reuse", "prefill")}
+    assert all(r["engine"] == "transformers" and r["answers_match"] and r["errors"] == 0 for r in rows.values())
+    assert rows[1, "all"]["requests"] == 2 and rows[2, "all"]["requests"] == 4
+    assert rows[1, "all"]["speedup_vs_1"] == 1.0 and rows[2, "all"]["requests_per_s"] > 0
+    assert rows[2, "reuse"]["reused_tokens_min"] == 256
+    assert doc["engines"]["transformers"]["baseline"]["all"]["requests_per_s"] == rows[1, "all"]["requests_per_s"]
+    assert (tmp_path / "concurrency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
