@@ -104,6 +104,12 @@ perf: setup
 chunkbench: setup
 	$(BIN)/python -m perf.chunkbench --json perf/results/chunk_path.json --before perf/results/chunk_path_before.json
 
+# Prepares and checks what tests/gpu/run.sh carries to a GPU machine (.gpu-carry/: the PyNvVideoCodec
+# wheel, a tiny model, chunks, a manifest) and runs every check's CPU part; prints the device call.
+.PHONY: gpu-dry-run
+gpu-dry-run: setup
+	bash tests/gpu/run.sh --dry-run
+
 clean:
 	rm -rf $(VENV) .venv-vllm .cache
 

@@ -1,0 +1,412 @@
+"""The folder the GPU check run carries to the lent machine (``.gpu-carry/``): made and checked here.
+
+The lent machine (``/work/.library/device/README.md``) has Python 3.12, torch, transformers and
+numpy, but no PyAV (so no encoder), no registry and at most 64 MiB carried per call, the repo's
+own files included. So everything it needs that it lacks is made here, by ``prepare``:
+
+- ``wheels/``: the PyNvVideoCodec 2.2.4 cp312 wheel, fetched with the device README's own
+  ``pip download`` line and checked against its pinned SHA-256 (no other wheel is needed: the
+  decode and restore path of the video rungs imports numpy and torch only; zstandard,
+  constriction and av are imported lazily by other rungs and the encoder);
+- ``tiny-model.tar.xz``: a tiny Llama with SmolLM2-135M's KV geometry and tokenizer
+  (``tiny_model``), since the real model does not fit;
+- ``chunks/<rung>/<index>.kvc``: the tiny model's KV of a fixed prompt (the committed
+  ``perf/inputs/default.context.txt``, first ``PROMPT_TOKENS`` tokens), computed on this CPU and
+  stored through ``kvcodec.ingest.ingest`` with the model's card: ``raw`` and the video rungs
+  ``lossless8``, ``video-q8`` and ``video`` (``CHUNKS`` says how many, how long), signed with a
+  fixed test key (``AUTH_HEX``: these chunks are test data);
+- ``manifest.json``: per chunk its rung, key, file digest, geometry, the planes digest taken at
+  ingest (what NVDEC's output must hash to) and per-frame digests and sums (to say which frames
+  differ when one does); the prompt's token ids; the CPU engine's reference tokens.
+
+``verify`` checks the manifest against the files (digests, and a software decode of every chunk
+compared with the planes digest); ``sizes`` checks the carried total against ``LIMIT``.
+``run_call`` is the device call to make on a session with a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+CARRY = ".gpu-carry"
+MANIFEST = "manifest.json"
+MODEL_ARCHIVE = "tiny-model.tar.xz"
+FORMAT = "kvcodec-gpu-carry/1"
+LIMIT = 64 * 1024 * 1024  # what one device call may carry, the repo's files included
+WARN = 60 * 1024 * 1024  # leave room for files others add before the GPU session
+WHEEL = "pynvvideocodec-2.2.4-cp312-cp312-manylinux_2_28_x86_64.whl"
+WHEEL_SPEC = "pynvvideocodec==2.2.4"
+WHEEL_SHA256 = "41ad2b4d010ed22eb46c849d3e792789ae06281f6b41767c1b25f76f130aee98"
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+RAW_RUNG, VIDEO_RUNGS = "raw", ("lossless8", "video-q8", "video")
+RUNGS = (RAW_RUNG,) + VIDEO_RUNGS
+CHUNK_TOKENS = 256  # the deployment's default (NVDEC takes no picture side under 144)
+# (chunks, tokens a chunk) per rung, sized to fit 64 MiB: a raw chunk is float32 (47 KB a token)
+# and this model's KV is noise to a video codec (a 256-token chunk is 2.3 to 3.3 MB at every rung)
+CHUNKS = {"raw": (1, 128), "lossless8": (2, CHUNK_TOKENS), "video-q8": (1, CHUNK_TOKENS), "video": (2, CHUNK_TOKENS)}
+PROMPT_SOURCE = "perf/inputs/default.context.txt"
+PROMPT_TOKENS = 2 * CHUNK_TOKENS + 16
+MAX_TOKENS = 16
+AUTH_HEX = hashlib.blake2b(b"kvcodec-gpu-checks test key", digest_size=32).hexdigest()
+RUN_TIMEOUT_S = 480  # the run call's timeout_s: the checks' budgets (gpu_checks.BUDGETS) end first
+
+
+class CarryError(RuntimeError):
+    """The carried folder cannot be made or does not check out."""
+
+
+def auth():
+    from kvcodec.format.auth import ChunkAuth
+
+    return ChunkAuth(bytes.fromhex(AUTH_HEX))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- the wheel ------------------------------------------------------------------------------------
+def pip_download_args(dest: Path) -> List[str]:
+    """The device README's ``pip download`` line for the wheel (without the interpreter)."""
+    args = ["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+            "--implementation", "cp"]
+    for platform in PLATFORMS:
+        args += ["--platform", platform]
+    return args + ["-d", str(dest), WHEEL_SPEC]
+
+
+def fetch_wheel(carry: Path, python: str = sys.executable, timeout_s: float = 300) -> Path:
+    """The wheel in ``carry/wheels``, downloaded if missing; its SHA-256 must be the pinned one."""
+    path = carry / "wheels" / WHEEL
+    if not path.is_file() or sha256(path) != WHEEL_SHA256:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            proc = subprocess.run([python, *pip_download_args(path.parent)], capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise CarryError(f"pip download {WHEEL_SPEC} took over {timeout_s:.0f} s") from None
+        if proc.returncode or not path.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise CarryError(f"pip download {WHEEL_SPEC} failed (rc {proc.returncode}): {' | '.join(tail)}")
+    got = sha256(path)
+    if got != WHEEL_SHA256:
+        raise CarryError(f"{path.name}: SHA-256 {got}, pinned {WHEEL_SHA256}")
+    for other in path.parent.iterdir():  # one version of each wheel: two stop the install there
+        if other.name != WHEEL:
+            other.unlink()
+    return path
+
+
+# -- chunks and the manifest ------------------------------------------------------------------------
+def frame_stats(planes: np.ndarray) -> List[Dict[str, Any]]:
+    """Per frame: BLAKE2b-64 of its samples, their sum, min and max."""
+    out = []
+    for frame in planes:
+        f = np.ascontiguousarray(frame)
+        out.append({"digest": hashlib.blake2b(memoryview(f).cast("B"), digest_size=8).hexdigest(),
+                    "sum": int(f.sum(dtype=np.int64)), "min": int(f.min()), "max": int(f.max())})
+    return out
+
+
+def chunk_entry(rung: str, index: int, rel: str, data: bytes, chunk_auth, decoder: str = "pyav") -> Dict[str, Any]:
+    """The manifest entry of one chunk: what its header says, and what a software decode of it
+    gives (which must hash to the header's planes digest: ``ChunkDecoder`` checks it)."""
+    from kvcodec.encode import planes_digest
+    from kvcodec.serving.decode import ChunkDecoder
+
+    header = _header(data, chunk_auth)
+    dec = ChunkDecoder(header.model_id, auth=chunk_auth, decoder=decoder)
+    try:
+        planes = dec.decode(data, key=header.key).planes
+    finally:
+        dec.close()
+    if planes_digest(planes) != header.planes_digest:
+        raise CarryError(f"{rel}: decoded planes do not hash to the header's digest")
+    return {
+        "rung": rung, "index": int(index), "file": rel, "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "key": header.key, "model_id": header.model_id, "scheme_id": header.scheme_id,
+        "token_start": header.token_start, "geometry": header.geometry.to_dict(),
+        "fp16_bytes": int(header.geometry.fp16_bytes),
+        "planes_shape": list(header.planes_shape), "planes_dtype": header.planes_dtype.name,
+        "planes_digest": header.planes_digest, "frames": frame_stats(planes),
+    }
+
+
+def _header(data: bytes, chunk_auth):
+    from kvcodec.format import container
+    from kvcodec.format.header import ChunkHeader
+
+    return ChunkHeader.from_dict(container.parse(data, chunk_auth).header)
+
+
+def write_chunks(carry: Path, chunks: Iterable[Tuple[str, int, bytes]], chunk_auth,
+                 decoder: str = "pyav") -> List[Dict[str, Any]]:
+    """Write each (rung, index, bytes) as ``chunks/<rung>/<index>.kvc``; their manifest entries."""
+    entries = []
+    for rung, index, data in chunks:
+        rel = f"chunks/{rung}/{index:04d}.kvc"
+        (carry / rel).parent.mkdir(parents=True, exist_ok=True)
+        (carry / rel).write_bytes(data)
+        entries.append(chunk_entry(rung, index, rel, data, chunk_auth, decoder))
+    return entries
+
+
+def load_manifest(carry: Path) -> Dict[str, Any]:
+    path = Path(carry) / MANIFEST
+    if not path.is_file():
+        raise CarryError(f"{path} is missing: run `bash tests/gpu/run.sh --dry-run` on a machine with the venv")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise CarryError(f"{path}: format {manifest.get('format')!r}, this build reads {FORMAT}")
+    return manifest
+
+
+def verify(carry: Path, manifest: Dict[str, Any], decoder: Optional[str] = "pyav") -> List[str]:
+    """What does not match between the manifest and the files (empty: all of it does). With a
+    ``decoder``, every chunk is decoded again and its planes compared with the manifest."""
+    from kvcodec.encode import planes_digest
+    from kvcodec.errors import KVCodecError
+    from kvcodec.serving.decode import ChunkDecoder
+
+    carry = Path(carry)
+    problems: List[str] = []
+    files = [manifest["model"]] + list(manifest.get("wheels", [])) + list(manifest["chunks"])
+    for item in files:
+        path = carry / item["file"]
+        if not path.is_file():
+            problems.append(f"{item['file']}: missing")
+        elif path.stat().st_size != item["bytes"] or sha256(path) != item["sha256"]:
+            problems.append(f"{item['file']}: size or SHA-256 differs from the manifest")
+    chunk_auth = auth()
+    decoders: Dict[str, Any] = {}
+    try:
+        for entry in manifest["chunks"]:
+            path = carry / entry["file"]
+            if not path.is_file():
+                continue
+            data = path.read_bytes()
+            try:
+                header = _header(data, chunk_auth)
+                for name in ("key", "scheme_id", "planes_digest", "model_id"):
+                    if getattr(header, name) != entry[name]:
+                        problems.append(f"{entry['file']}: header {name} differs from the manifest")
+                if decoder is None:
+                    continue
+                dec = decoders.setdefault(entry["model_id"], ChunkDecoder(entry["model_id"], auth=chunk_auth,
+                                                                          decoder=decoder))
+                planes = dec.decode(data, key=entry["key"]).planes
+                if planes_digest(planes) != entry["planes_digest"] or frame_stats(planes) != entry["frames"]:
+                    problems.append(f"{entry['file']}: decoded planes differ from the manifest")
+            except (KVCodecError, ValueError) as exc:
+                problems.append(f"{entry['file']}: {type(exc).__name__}: {exc}")
+    finally:
+        for dec in decoders.values():
+            dec.close()
+    return problems
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+def tree_files(repo: Path, skip: Sequence[str] = ()) -> Dict[str, int]:
+    """What a device call sends besides the carried paths: tracked files and untracked files git
+    does not ignore (and a ``shared/`` folder in the checkout), with their sizes."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout.decode()
+    names = set(filter(None, out.split("\0")))
+    if (repo / "shared").is_dir():
+        names |= {str(p.relative_to(repo)) for p in (repo / "shared").rglob("*") if p.is_file()}
+    sizes = {}
+    for name in sorted(names):
+        if any(name == s or name.startswith(s.rstrip("/") + "/") for s in skip):
+            continue
+        path = repo / name
+        if path.is_symlink() or path.is_file():
+            sizes[name] = path.lstat().st_size
+    return sizes
+
+
+def folder_files(folder: Path) -> Dict[str, int]:
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.lstat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() or p.is_symlink()}
+
+
+def sizes(repo: Path, carry: Path, limit: int = LIMIT, warn: int = WARN) -> Dict[str, Any]:
+    """The bytes one device call would carry: the tree's and the carried folder's, against ``limit``."""
+    carry = Path(carry)
+    try:
+        rel = str(carry.resolve().relative_to(Path(repo).resolve()))
+    except ValueError:
+        rel = ""
+    tree = tree_files(Path(repo), skip=[rel] if rel else [])
+    carried = folder_files(carry)
+    groups: Dict[str, int] = {}
+    for name, n in carried.items():
+        top = name.split("/", 1)[0]
+        groups[top] = groups.get(top, 0) + n
+    total = sum(tree.values()) + sum(carried.values())
+    return {"tree_bytes": sum(tree.values()), "tree_files": len(tree), "carry_bytes": sum(carried.values()),
+            "carry": groups, "total_bytes": total, "limit_bytes": int(limit), "total_MiB": round(total / 2**20, 2),
+            "ok": total <= limit, "warning": (f"over {warn / 2**20:.0f} MiB: little room for files added before "
+                                              f"the GPU session") if warn < total <= limit else None}
+
+
+def check_sizes(report: Dict[str, Any]) -> None:
+    if not report["ok"]:
+        raise CarryError(f"a device call would carry {report['total_MiB']} MiB (tree {report['tree_bytes']} B + "
+                         f"carry {report['carry_bytes']} B), over {report['limit_bytes'] / 2**20:.0f} MiB")
+
+
+def run_call(carry: str = CARRY) -> Dict[str, Any]:
+    """The arguments of the device tool's ``run`` call that runs every GPU check (its command, at
+    most 2000 characters; the carried folder, a path relative to the repo root)."""
+    command = "bash tests/gpu/run.sh" if carry == CARRY else f"GPU_CARRY={carry} bash tests/gpu/run.sh"
+    return {"command": command, "carry": [carry], "timeout_s": RUN_TIMEOUT_S}
+
+
+# -- prepare ------------------------------------------------------------------------------------------
+def _versions() -> Dict[str, str]:
+    import platform
+
+    out = {"python": platform.python_version(), "numpy": np.__version__}
+    for name in ("torch", "transformers", "av"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def prompt_ids(tokenizer_encode) -> List[int]:
+    ids = tokenizer_encode((REPO / PROMPT_SOURCE).read_text(encoding="utf-8"))
+    if len(ids) < PROMPT_TOKENS:
+        raise CarryError(f"{PROMPT_SOURCE} holds {len(ids)} tokens, fewer than {PROMPT_TOKENS}")
+    return list(ids[:PROMPT_TOKENS])
+
+
+def make_chunks(engine, ids: Sequence[int], chunk_auth, threads: int = 2) -> List[Tuple[str, int, bytes]]:
+    """The engine's KV of ``ids`` through ``kvcodec.ingest.ingest`` at every rung (bound to its card)."""
+    from kvcodec.format.keys import chunk_keys
+    from kvcodec.format.ladder import parse_rung
+    from kvcodec.ingest import ingest
+    from kvcodec.store.memory import MemoryStore
+
+    store = MemoryStore(f"gpu-carry-{os.getpid()}")
+    out = []
+    for rung in RUNGS:
+        n_chunks, tokens = CHUNKS[rung]
+        scheme = parse_rung(rung, engine.card)
+        head = list(ids[:n_chunks * tokens])
+        ingest(engine, store, head, [scheme], tokens, auth=chunk_auth, threads=threads)
+        for i, key in enumerate(chunk_keys(head, engine.model_id, scheme.identity, tokens)):
+            data = store.get(key)
+            if data is None:
+                raise CarryError(f"ingest stored no {rung} chunk {i}")
+            store.delete(key)
+            out.append((rung, i, data))
+    return out
+
+
+def reference_tokens(engine, ids: Sequence[int], raw_kv: np.ndarray) -> Dict[str, Any]:
+    """The CPU engine's greedy tokens: its own prefill, from the ``raw`` chunk's KV, from zero KV."""
+    return {"device": "cpu", "max_tokens": MAX_TOKENS,
+            "own": list(engine.stream(ids, MAX_TOKENS)),
+            "from_raw": list(engine.stream(ids, MAX_TOKENS, past_kv=raw_kv)),
+            "from_zero_kv": list(engine.stream(ids, MAX_TOKENS, past_kv=np.zeros_like(raw_kv)))}
+
+
+def prepare(carry: Path, tokenizer_dir: Optional[Path] = None, log=print) -> Dict[str, Any]:
+    """Make ``carry`` whole: wheel, tiny model, chunks, manifest. Returns the manifest."""
+    from kvcodec.engines.model_files import ModelFiles
+    from kvcodec.engines.transformers_engine import TransformersEngine
+    from kvcodec.serving.restore import restore
+
+    from . import tiny_model
+
+    carry = Path(carry)
+    carry.mkdir(parents=True, exist_ok=True)
+    log(f"wheel: {WHEEL_SPEC} (pip download, the device README's line)")
+    wheel = fetch_wheel(carry)
+    if tokenizer_dir is None:
+        from kvcodec.engines import model_files
+        from kvcodec.settings import Settings
+
+        tokenizer_dir = model_files.ensure_model(Settings.load().model_cache).path
+    work = Path(tempfile.mkdtemp(prefix="kvcodec-gpu-carry-"))
+    try:
+        log("tiny model: build and pack")
+        folder = tiny_model.build(work, Path(tokenizer_dir))
+        tiny_model.pack(folder, carry / MODEL_ARCHIVE)
+        engine = TransformersEngine(ModelFiles(folder, tiny_model.model_id(folder)), threads=2)
+        ids = prompt_ids(engine.tokenize)
+        log(f"chunks: {PROMPT_TOKENS} tokens of {PROMPT_SOURCE}, rungs {', '.join(RUNGS)}")
+        shutil.rmtree(carry / "chunks", ignore_errors=True)
+        chunk_auth = auth()
+        entries = write_chunks(carry, make_chunks(engine, ids, chunk_auth), chunk_auth)
+        from .gpu_checks import decode_entry
+
+        raw = [e for e in entries if e["rung"] == RAW_RUNG and e["index"] == 0][0]
+        log("reference tokens (CPU)")
+        reference = reference_tokens(engine, ids, restore(decode_entry(carry, raw, "pyav")))
+        manifest = {
+            "format": FORMAT, "made": {"by": "tests/gpu/carry.py", **_versions()}, "auth_key_hex": AUTH_HEX,
+            "model": {"file": MODEL_ARCHIVE, "bytes": (carry / MODEL_ARCHIVE).stat().st_size,
+                      "sha256": sha256(carry / MODEL_ARCHIVE), "model_id": engine.model_id,
+                      "folder": tiny_model.FOLDER, "config": tiny_model.CONFIG, "seed": tiny_model.SEED},
+            "wheels": [{"file": str(wheel.relative_to(carry)), "bytes": wheel.stat().st_size, "sha256": WHEEL_SHA256}],
+            "prompt": {"source": PROMPT_SOURCE, "ids": ids, "chunk_tokens": CHUNK_TOKENS, "max_tokens": MAX_TOKENS},
+            "reference": reference,
+            "chunks": entries,
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    tmp = carry / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(carry / MANIFEST)
+    return manifest
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.gpu.carry", description=__doc__.split("\n\n")[0])
+    ap.add_argument("action", choices=("prepare", "verify", "sizes", "run-call"))
+    ap.add_argument("--carry", default=str(REPO / CARRY))
+    args = ap.parse_args(argv)
+    carry = Path(args.carry)
+    try:
+        if args.action == "prepare":
+            prepare(carry)
+        if args.action in ("prepare", "verify"):
+            problems = verify(carry, load_manifest(carry))
+            if problems:
+                raise CarryError("manifest and files differ:\n  " + "\n  ".join(problems))
+            print(f"manifest: {len(load_manifest(carry)['chunks'])} chunks decode (PyAV) to their planes digests")
+        if args.action in ("prepare", "sizes"):
+            report = sizes(REPO, carry)
+            print("sizes:", json.dumps(report))
+            check_sizes(report)
+        if args.action == "run-call":
+            print(json.dumps(run_call(os.path.relpath(carry, REPO))))
+    except CarryError as exc:
+        print(f"carry: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

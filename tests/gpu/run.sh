@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Every GPU check in one prepared run, for a session lent the GPU machine (an H200 with NVDEC;
+# /work/.library/device/README.md). From the repo root:
+#
+#   bash tests/gpu/run.sh --dry-run   here, on a CPU machine with .venv/: makes the carried folder
+#                                     .gpu-carry/ (PyNvVideoCodec wheel, tiny model, chunks, manifest;
+#                                     tests/gpu/carry.py), checks it against 64 MiB, runs every check
+#                                     with PyAV on the CPU, prints the device call to make
+#   bash tests/gpu/run.sh             there: installs the carried wheel into /tmp/site, runs
+#                                     tests/gpu/gpu_checks.py (NVDEC, CUDA), writes gpu_checks.json
+#                                     and gpu_checks.log to $OUT (else here); exit 1 if a check failed
+#
+# GPU_CARRY names another carried folder; PYTHON another interpreter (there: python3).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
+CARRY=${GPU_CARRY:-.gpu-carry}
+LIMIT_S=450  # the checks' budgets (gpu_checks.BUDGETS) add up to 375 s
+
+dry_run() {
+    local py=${PYTHON:-.venv/bin/python} t0=$SECONDS rc
+    [ -x "$py" ] || { echo "run.sh --dry-run: $py is missing (make setup)" >&2; return 2; }
+    export PYTHONPATH="$PWD/backends:$PWD" PYTHONUNBUFFERED=1
+    "$py" -m tests.gpu.carry prepare --carry "$CARRY" || return 1
+    "$py" -m tests.gpu.gpu_checks --device-imports --carry "$CARRY" || return 1
+    "$py" -m tests.gpu.gpu_checks --dry-run --carry "$CARRY" --json "${OUT:-$CARRY}/gpu_checks.dry-run.json"
+    rc=$?
+    "$py" -m tests.gpu.carry sizes --carry "$CARRY" || return 1
+    echo "dry run: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || return "$rc"
+    echo "On a session with a GPU, call the device tool 'run' with these arguments:"
+    "$py" -m tests.gpu.carry run-call --carry "$CARRY"
+}
+
+nvdec_library_path() {
+    # NVDEC's user-space library comes with the driver; put its folder on the loader's path when
+    # the loader's cache does not have it (the driver's folder may be a mount outside it).
+    ldconfig -p 2>/dev/null | grep -q 'libnvcuvid\.so\.1' && return
+    local d
+    for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib/wsl/lib; do
+        if [ -e "$d/libnvcuvid.so.1" ]; then
+            export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            echo "libnvcuvid.so.1: $d (added to LD_LIBRARY_PATH)"
+            return
+        fi
+    done
+    echo "libnvcuvid.so.1: not found (the driver's video libraries are not mounted?); the NVDEC checks will say"
+}
+
+device_run() {
+    local py=${PYTHON:-python3} out=${OUT:-.} site=/tmp/site rc
+    [ -f "$CARRY/manifest.json" ] || { echo "no $CARRY/manifest.json: carry $CARRY (bash tests/gpu/run.sh --dry-run makes it)"; return 2; }
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        "$CARRY"/wheels/*.whl || echo "wheel install failed: the checks that need PyNvVideoCodec will fail"
+    nvdec_library_path
+    export PYTHONPATH="$site:$PWD/backends:$PWD" PYTHONUNBUFFERED=1
+    timeout "$LIMIT_S" "$py" -m tests.gpu.gpu_checks --carry "$CARRY" --json "$out/gpu_checks.json"
+    rc=$?
+    [ "$rc" -eq 124 ] && echo "gpu checks: stopped after $LIMIT_S s; $out/gpu_checks.json holds the checks that finished"
+    return "$rc"
+}
+
+if [ "${1:-}" = "--dry-run" ]; then
+    dry_run
+    exit $?
+elif [ $# -gt 0 ]; then
+    echo "usage: bash tests/gpu/run.sh [--dry-run]" >&2
+    exit 2
+fi
+mkdir -p "${OUT:-.}"
+device_run 2>&1 | tee "${OUT:-.}/gpu_checks.log"
+exit "${PIPESTATUS[0]}"
