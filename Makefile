@@ -104,6 +104,16 @@ perf: setup
 chunkbench: setup
 	$(BIN)/python -m perf.chunkbench --json perf/results/chunk_path.json --before perf/results/chunk_path_before.json
 
+# 5 minutes of 8 clients (gRPC+HTTP, reuse on/off) per engine; fails on an error or growth of RSS,
+# shared memory, fds or processes (perf/soak.py): perf/results/reliability{,-vllm}.json and plots.
+.PHONY: soak
+soak: setup
+	$(MAKE) setup-vllm
+	$(BIN)/kvcodec soak --engine transformers --clients 8 --duration-s 300 \
+		--json perf/results/reliability.json --plot perf/results/reliability.png
+	$(VBIN)/kvcodec soak --engine vllm --clients 8 --duration-s 300 \
+		--json perf/results/reliability-vllm.json --plot perf/results/reliability-vllm.png
+
 # Prepares and checks what tests/gpu/run.sh carries to a GPU machine (.gpu-carry/: the PyNvVideoCodec
 # wheel, a tiny model, chunks, a manifest) and runs every check's CPU part; prints the device call.
 .PHONY: gpu-dry-run

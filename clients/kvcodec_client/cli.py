@@ -11,6 +11,8 @@ the product library is ``kvcodec``; serving, benchmarks and the quality harness 
     kvcodec demo     [--json perf/results/demo.json]
     kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
     kvcodec bench concurrency [--engine E] --clients 1,4,8 --requests 4 [--json perf/results/concurrency.json]
+    kvcodec repository --variant cpu|gpu|trtllm --out DIR [--gpus 0] [--store URL] [--ladder RUNGS]
+    kvcodec soak     [--engine E] --clients 8 --duration-s 300 --protocols grpc,http [--json perf/results/reliability.json]
 
 Settings not given as flags come from ``KVCODEC_*`` variables, then defaults (see
 ``kvcodec.settings``); the store defaults to ``file://./.cache/store``.
@@ -220,6 +222,39 @@ def cmd_bench_concurrency(args) -> int:
                            Path(args.plot) if args.plot else None)
 
 
+def cmd_soak(args) -> int:
+    from perf.soak import SoakConfig, run_soak
+
+    try:
+        config = SoakConfig(args.clients, args.duration_s, tuple(args.protocols), contexts=args.contexts,
+                            context_tokens=args.context_tokens, max_tokens=args.max_tokens,
+                            threads=args.threads if args.threads is not None else 2, sample_s=args.sample_s,
+                            warmup_s=args.warmup_s, window_s=args.window_s)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec soak: {exc}") from None
+    return run_soak(_settings(args), Path(args.model_repository), config, Path(args.json),
+                    Path(args.plot) if args.plot else None)
+
+
+def cmd_repository(args) -> int:
+    from kvcodec_client.repository import TRTLLM_CONFIG_FILE, TRTLLM_MODEL, TRTLLM_MODEL_PY, render
+
+    settings = None
+    if args.variant == "trtllm":  # model.yaml names the project's converted model folder: make it ready
+        from kvcodec.engines import model_files
+
+        settings = _settings(args)
+        model_files.ensure_model(settings.model_cache)
+    out = render(Path(args.source), Path(args.out), args.variant, gpus=args.gpus, settings=settings)
+    print(f"kvcodec repository: wrote the {args.variant} repository to {out}")
+    if args.variant == "trtllm":
+        version = out / TRTLLM_MODEL / "1"
+        print(f"  next: cp {TRTLLM_MODEL_PY}/model.py {TRTLLM_MODEL_PY}/helpers.py {version}/\n"
+              f"        export TRTLLM_KVCODEC_CONFIG={version / TRTLLM_CONFIG_FILE}\n"
+              f"        tritonserver --model-repository {out}   (docs/deploy-trtllm.md)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcodec", description="KV cache reuse through video codecs on Triton")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -308,6 +343,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "concurrency.png"))
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_bench_concurrency)
+
+    p = sub.add_parser("soak", help="concurrent clients for a while (gRPC and HTTP, reuse and prefill), every answer "
+                                    "checked, the server's RSS, fds, shm and processes sampled; exits 1 on an "
+                                    "error or growth")
+    common(p)
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, shared out over the protocols")
+    p.add_argument("--duration-s", type=float, default=300.0)
+    p.add_argument("--protocols", type=_list(str), default=["grpc", "http"])
+    p.add_argument("--contexts", type=int, default=3, help="different contexts the prompts are made of")
+    p.add_argument("--context-tokens", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between footprint samples")
+    p.add_argument("--warmup-s", type=float, default=30.0, help="the first window starts after this")
+    p.add_argument("--window-s", type=float, default=60.0, help="growth: last window's median - first window's")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reliability.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "reliability.png"))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_soak)
+
+    p = sub.add_parser("repository", help="write a model repository variant derived from model_repository/: "
+                                          "cpu, gpu, or trtllm (TensorRT-LLM's LLM-API model with our connector)")
+    p.add_argument("--variant", choices=["cpu", "gpu", "trtllm"], required=True)
+    p.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    p.add_argument("--gpus", type=_list(int), default=[0], help="GPU ids of the KIND_GPU instances (trtllm: one)")
+    p.add_argument("--source", default=str(DEFAULT_REPOSITORY), help="the committed repository it is derived from")
+    p.add_argument("--home", help="folder for caches (default ./.cache)")
+    p.add_argument("--store", help="trtllm: the store URL the connector reads and writes (default file://<home>/store)")
+    p.add_argument("--model-cache", help="trtllm: folder of the converted model (default <home>/models)")
+    p.add_argument("--ladder", help="trtllm: the rungs the connector fetches from, preferred first (KVCODEC_LADDER)")
+    p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"], help="trtllm: the connector's video decoder")
+    p.set_defaults(func=cmd_repository)
 
     p = sub.add_parser("rd", help="every codec at several settings over the eval set: rd.json and rd.png")
     common(p)

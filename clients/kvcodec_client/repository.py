@@ -13,15 +13,33 @@ Variants (``VARIANTS``):
   tensors arrive as DLPack-able device buffers and ``kvcodec.triton.get_array`` copies to the host
   only where a step needs numpy), and ``kv_decode`` decodes with NVDEC (``decoder: "nvdec"``; the
   GPU id comes from the instance). ``kv_fetch`` stays on the CPU: it waits on the network.
+- ``trtllm``: TensorRT-LLM 1.2's own LLM-API model (``tensorrt_llm``, from NVIDIA's
+  ``triton_backend/all_models/llmapi``) in place of the whole chain, with our KV cache connector
+  (``kvcodec.engines.trtllm_connector``) named in its ``1/model.yaml``: ``tensorrt_llm/config.pbtxt``
+  (KIND_GPU on one GPU, decoupled, the LLM-API model's inputs and outputs: ``text_input`` in,
+  ``text_output`` out), ``1/model.yaml`` (backend pytorch, block reuse on, ``tokens_per_block``, the
+  connector), ``1/kvcodec-trtllm.json`` (the connector's settings, the file ``TRTLLM_KVCODEC_CONFIG``
+  names, from ``Settings`` and the model card) and ``README.txt``. Its ``1/model.py`` and
+  ``1/helpers.py`` are TensorRT-LLM's, copied from the container (``TRTLLM_MODEL_PY``), not ours.
+
+Why the ``trtllm`` variant has no kv_fetch -> kv_decode -> kv_restore: TensorRT-LLM runs the model
+in its own worker processes and takes only text (it tokenizes the prompt itself), and it asks the
+connector for the stored prefix once, when its scheduler adds the request; that answer is final, so
+the KV must already be restored then. A staging store that kv_restore writes to (under /dev/shm)
+would carry the same chunks through one more copy and a second deadline, keyed by token ids the
+ensemble would have to compute with a tokenizer that must match TensorRT-LLM's; the connector
+instead runs the same library chain (store -> ``ChunkDecoder`` -> ``restore``) in the scheduler.
 
 ``kvcodec repository --variant gpu --out DIR`` writes one; ``tests/unit/test_model_repository.py``
 checks every variant with the same schema and wiring tests as the committed repository.
 """
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Dict, Sequence
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
@@ -29,6 +47,41 @@ from tritonclient.grpc import model_config_pb2
 from kvcodec.errors import ConfigError
 
 ON_GPU = ("kv_decode", "kv_restore", "llm")
+TRTLLM_MODEL = "tensorrt_llm"  # the LLM-API model's name in NVIDIA's repository and in ours
+TRTLLM_CONFIG_FILE = "kvcodec-trtllm.json"
+# Where the NGC container (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3) keeps TensorRT-LLM's
+# LLM-API model; the same files are triton_backend/all_models/llmapi/tensorrt_llm/1/ in NVIDIA/TensorRT-LLM.
+TRTLLM_MODEL_PY = "/app/all_models/llmapi/tensorrt_llm/1"
+CONNECTOR = {"connector_module": "kvcodec.engines.trtllm_connector",
+             "connector_scheduler_class": "KVCodecScheduler",
+             "connector_worker_class": "KVCodecWorker"}
+
+_T = model_config_pb2
+# The LLM-API model's inputs and outputs as TensorRT-LLM 1.2's llmapi config.pbtxt and model.py have them
+# (the subset both its 1.x model.py versions read and send): a prompt as text, sampling parameters, text out.
+TRTLLM_INPUTS = (
+    ("text_input", _T.TYPE_STRING, [-1], False),
+    ("streaming", _T.TYPE_BOOL, [1], True),
+    ("sampling_param_best_of", _T.TYPE_INT32, [1], True),
+    ("sampling_param_temperature", _T.TYPE_FP32, [1], True),
+    ("sampling_param_top_k", _T.TYPE_INT32, [1], True),
+    ("sampling_param_top_p", _T.TYPE_FP32, [1], True),
+    ("sampling_param_frequency_penalty", _T.TYPE_FP32, [1], True),
+    ("sampling_param_presence_penalty", _T.TYPE_FP32, [1], True),
+    ("sampling_param_max_tokens", _T.TYPE_INT32, [1], True),
+    ("sampling_param_stop", _T.TYPE_STRING, [-1], True),
+    ("sampling_param_seed", _T.TYPE_UINT64, [1], True),
+    ("sampling_param_exclude_input_from_output", _T.TYPE_BOOL, [1], True),
+    ("return_finish_reason", _T.TYPE_BOOL, [1], True),
+    ("return_stop_reason", _T.TYPE_BOOL, [1], True),
+    ("return_cumulative_logprob", _T.TYPE_BOOL, [1], True),
+)
+TRTLLM_OUTPUTS = (
+    ("text_output", _T.TYPE_STRING, [-1]),
+    ("finish_reason", _T.TYPE_STRING, [-1]),
+    ("stop_reason", _T.TYPE_STRING, [-1]),
+    ("cumulative_logprob", _T.TYPE_FP32, [-1]),
+)
 
 
 def load(path: Path) -> "model_config_pb2.ModelConfig":
@@ -39,41 +92,173 @@ def _set_parameter(cfg, key: str, value: str) -> None:
     cfg.parameters[key].string_value = value
 
 
-def _gpu(name: str, cfg, gpus: Sequence[int]) -> None:
-    if name not in ON_GPU:
-        return
+def _gpu_group(cfg, gpus: Sequence[int]) -> None:
     del cfg.instance_group[:]
     group = cfg.instance_group.add()
     group.kind = model_config_pb2.ModelInstanceGroup.KIND_GPU
     group.count = 1
     group.gpus.extend(int(g) for g in gpus)
-    _set_parameter(cfg, "FORCE_CPU_ONLY_INPUT_TENSORS", "no")
-    if name == "kv_decode":
-        _set_parameter(cfg, "decoder", "nvdec")
 
 
-VARIANTS: Dict[str, Callable] = {
-    "cpu": lambda name, cfg, gpus: None,
+def _cpu(committed: Dict[str, Any], gpus: Sequence[int]) -> Dict[str, Any]:
+    return committed
+
+
+def _gpu(committed: Dict[str, Any], gpus: Sequence[int]) -> Dict[str, Any]:
+    for name, cfg in committed.items():
+        if name not in ON_GPU:
+            continue
+        _gpu_group(cfg, gpus)
+        _set_parameter(cfg, "FORCE_CPU_ONLY_INPUT_TENSORS", "no")
+        if name == "kv_decode":
+            _set_parameter(cfg, "decoder", "nvdec")
+    return committed
+
+
+def trtllm_model_config(gpus: Sequence[int] = (0,)) -> "model_config_pb2.ModelConfig":
+    """``tensorrt_llm/config.pbtxt``: the LLM-API model on one GPU, decoupled, no batch dimension
+    (``max_batch_size`` and ``decoupled`` equal to ``model.yaml``'s ``triton_config``, so the model's
+    ``auto_complete_config`` finds nothing to change, and ``--disable-auto-complete-config`` loses nothing)."""
+    if len(gpus) != 1:
+        raise ConfigError(f"the trtllm variant runs on one GPU (the connector refuses tensor and pipeline "
+                          f"parallelism), got --gpus {','.join(str(g) for g in gpus) or '(none)'}")
+    cfg = model_config_pb2.ModelConfig(name=TRTLLM_MODEL, backend="python", max_batch_size=0)
+    cfg.model_transaction_policy.decoupled = True
+    for name, dtype, dims, optional in TRTLLM_INPUTS:
+        cfg.input.add(name=name, data_type=dtype, dims=dims, optional=optional)
+    for name, dtype, dims in TRTLLM_OUTPUTS:
+        cfg.output.add(name=name, data_type=dtype, dims=dims)
+    _gpu_group(cfg, gpus)
+    return cfg
+
+
+def _trtllm(committed: Dict[str, Any], gpus: Sequence[int]) -> Dict[str, Any]:
+    return {TRTLLM_MODEL: trtllm_model_config(gpus)}
+
+
+# variant name -> (the committed configs by step name, GPU ids) -> the variant's configs by model name
+VARIANTS: Dict[str, Callable[[Dict[str, Any], Sequence[int]], Dict[str, Any]]] = {
+    "cpu": _cpu,
     "gpu": _gpu,
+    "trtllm": _trtllm,
 }
 
 
 def configs(source: Path, variant: str, gpus: Sequence[int] = (0,)) -> Dict[str, "model_config_pb2.ModelConfig"]:
-    """Each step's config in ``variant``, by step name."""
+    """Each model's config in ``variant``, by model name."""
     if variant not in VARIANTS:
         raise ConfigError(f"repository variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-    found = {}
-    for path in sorted(Path(source).glob("*/config.pbtxt")):
-        cfg = load(path)
-        VARIANTS[variant](path.parent.name, cfg, gpus)
-        found[path.parent.name] = cfg
-    if not found:
+    committed = {path.parent.name: load(path) for path in sorted(Path(source).glob("*/config.pbtxt"))}
+    if not committed:
         raise ConfigError(f"no config.pbtxt under {source}")
-    return found
+    return VARIANTS[variant](committed, gpus)
 
 
-def render(source: Path, out: Path, variant: str, gpus: Sequence[int] = (0,)) -> Path:
-    """Write the ``variant`` repository of ``source`` to ``out`` (replaced if it exists)."""
+# -- the trtllm variant's files --------------------------------------------------------------------
+def trtllm_card(settings):
+    """The project's model as TensorRT-LLM computes it: float16 KV, an identity of its own (as
+    ``trtllm_config.load_config`` makes it without a config file)."""
+    from kvcodec.engines import model_files
+
+    base = model_files.card(settings.model_cache)
+    return replace(base, model_id=f"{base.model_id}/trtllm-float16", kv_dtype="float16")
+
+
+def trtllm_settings(settings, card) -> Dict[str, Any]:
+    """The ``TRTLLM_KVCODEC_CONFIG`` file's content (``kvcodec.engines.trtllm_config.from_mapping``)."""
+    return {"store": settings.store, "ladder": list(settings.ladder), "chunk_tokens": settings.chunk_tokens,
+            "writeback": list(settings.writeback) or "off", "key_file": str(settings.key_file),
+            "decoder": settings.decoder, "threads": max(1, settings.threads),
+            "fetch_timeout_s": settings.fetch_timeout_s, "model": asdict(card)}
+
+
+def trtllm_model_yaml(model: str, tokens_per_block: int = 32) -> Dict[str, Any]:
+    """``1/model.yaml``: every key but ``triton_config`` is an ``LLM()`` argument (TorchLlmArgs)."""
+    if tokens_per_block <= 0:
+        raise ConfigError(f"tokens_per_block must be positive, got {tokens_per_block}")
+    return {
+        "model": model,
+        "backend": "pytorch",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "dtype": "float16",  # the model card's kv_dtype: the KV pool is float16, the raw rung stores it
+        "attn_backend": "TRTLLM",  # the block layout the connector writes
+        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": tokens_per_block},
+        "scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"},
+        "kv_connector_config": dict(CONNECTOR),
+        "triton_config": {"max_batch_size": 0, "decoupled": True},
+    }
+
+
+def _yaml(data: Mapping[str, Any], indent: int = 0) -> str:
+    """A mapping of mappings, strings, numbers and booleans as YAML (the JSON-compatible subset:
+    strings double-quoted as JSON writes them), so no YAML library is needed to write it."""
+    lines = []
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            lines.append(f"{' ' * indent}{key}:")
+            lines.append(_yaml(value, indent + 2))
+        elif isinstance(value, (str, bool, int, float)):
+            lines.append(f"{' ' * indent}{key}: {json.dumps(value)}")
+        else:
+            raise ConfigError(f"model.yaml: {key} has a value YAML is not written for here: {value!r}")
+    return "\n".join(lines)
+
+
+_README = """\
+tensorrt_llm: TensorRT-LLM's LLM-API model, with the KVCodec KV cache connector
+(written by `kvcodec repository --variant trtllm`; regenerate rather than edit).
+
+1/model.py and 1/helpers.py are NOT here: they are TensorRT-LLM's, and must match the
+tensorrt_llm inside the container. Copy them from the NGC container
+(nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3):
+
+    cp {model_py}/model.py {model_py}/helpers.py <this folder>/1/
+
+(or from triton_backend/all_models/llmapi/tensorrt_llm/1/ of NVIDIA/TensorRT-LLM at the tag
+that `python3 -c "import tensorrt_llm; print(tensorrt_llm.__version__)"` prints). Keep this
+folder's config.pbtxt and 1/model.yaml.
+
+Before `tritonserver --model-repository <repository>`:
+
+    export TRTLLM_KVCODEC_CONFIG=<this folder>/1/{config_file}
+    export TRTLLM_KVCODEC_CHUNK_KEY=<the chunk key, hex>   # or the key_file the JSON names
+
+TensorRT-LLM's worker processes receive only TLLM_*/TRTLLM_* variables: KVCODEC_* do not
+reach the connector. See docs/deploy-trtllm.md.
+"""
+
+
+def _write_trtllm(out: Path, settings, card, model: Optional[str], tokens_per_block: int) -> None:
+    from kvcodec.engines import model_files
+
+    settings = settings if settings is not None else _default_settings()
+    card = card if card is not None else trtllm_card(settings)
+    model = model or str(Path(settings.model_cache) / model_files.FOLDER)
+    version = out / TRTLLM_MODEL / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (version / "model.yaml").write_text(
+        "# Generated by `kvcodec repository --variant trtllm`: TensorRT-LLM's LLM() arguments, with the\n"
+        "# KVCodec connector (kvcodec.engines.trtllm_connector; its settings: TRTLLM_KVCODEC_CONFIG).\n"
+        + _yaml(trtllm_model_yaml(model, tokens_per_block)) + "\n")
+    (version / TRTLLM_CONFIG_FILE).write_text(json.dumps(trtllm_settings(settings, card), indent=2) + "\n")
+    (out / TRTLLM_MODEL / "README.txt").write_text(
+        _README.format(model_py=TRTLLM_MODEL_PY, config_file=TRTLLM_CONFIG_FILE))
+
+
+def _default_settings():
+    from kvcodec.settings import Settings
+
+    return Settings.load()
+
+
+def render(source: Path, out: Path, variant: str, gpus: Sequence[int] = (0,), settings=None, card=None,
+           model: Optional[str] = None, tokens_per_block: int = 32) -> Path:
+    """Write the ``variant`` repository of ``source`` to ``out`` (replaced if it exists).
+
+    ``settings``, ``card``, ``model`` and ``tokens_per_block`` are the ``trtllm`` variant's: the
+    connector's settings (default ``Settings.load()``), the model card (default ``trtllm_card``),
+    what ``model.yaml`` loads (default the project's converted model folder) and the KV block size."""
     source, out = Path(source).resolve(), Path(out).resolve()
     if out == source:
         raise ConfigError("the variant would overwrite its source repository")
@@ -82,10 +267,21 @@ def render(source: Path, out: Path, variant: str, gpus: Sequence[int] = (0,)) ->
         shutil.rmtree(out)
     for name, cfg in rendered.items():
         (out / name).mkdir(parents=True)
-        header = (f"# Generated by `kvcodec repository --variant {variant}` from {source.name}/{name}/config.pbtxt\n"
-                  f"# (see that file for what each field means); do not edit: regenerate.\n")
+        if (source / name).is_dir():
+            origin = (f" from {source.name}/{name}/config.pbtxt\n"
+                      f"# (see that file for what each field means); do not edit: regenerate.\n")
+        else:
+            origin = (f": TensorRT-LLM 1.2's LLM-API model\n"
+                      f"# (the inputs and outputs of NVIDIA's all_models/llmapi/{name}/config.pbtxt), one GPU, decoupled.\n"
+                      f"# 1/model.py and 1/helpers.py are TensorRT-LLM's: copy them from {TRTLLM_MODEL_PY}\n"
+                      f"# (README.txt). Do not edit: regenerate.\n")
+        header = f"# Generated by `kvcodec repository --variant {variant}`{origin}"
         (out / name / "config.pbtxt").write_text(header + text_format.MessageToString(cfg))
+        if not (source / name).is_dir():
+            continue
         for version in sorted((source / name).iterdir()):
             if version.is_dir():
                 shutil.copytree(version, out / name / version.name, ignore=shutil.ignore_patterns("__pycache__"))
+    if variant == "trtllm":
+        _write_trtllm(out, settings, card, model, tokens_per_block)
     return out

@@ -2,22 +2,38 @@
 tritonserver: the store is a small HTTP server in this test that serves real chunks (ingested by
 ``kvcodec ingest``) and misbehaves on purpose: it hangs, answers 500, resets the connection or cuts a
 body short, on the look-up or mid-stream. Each answer equals prefill's, the reason is in the stats,
-the request ends within the deadline, and the server is healthy afterwards."""
+the request ends within the deadline, and the server is healthy afterwards.
+
+Then the server's own faults: a client that disconnects mid-stream (over gRPC and HTTP) leaves
+nothing behind; a python stub killed while a request is in it ends that request at once (what
+Triton does after is asserted as observed); a prompt longer than the model's context is
+INVALID_ARG."""
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
+import os
+import queue
+import re
+import signal
 import socket
 import struct
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from kvcodec_client import KVCodecClient
+from kvcodec_client import ClientError, KVCodecClient
 from perf.ports import free_ports
-from perf.tritonserver import Ports, TritonServer
+from perf.procs import alive
+from perf.soak import read_proc, sample_tree, stub_pids
+from perf.tritonserver import MODELS, Ports, TritonServer
 
 from .conftest import REPO, cli, text_of
 
@@ -178,3 +194,225 @@ def test_metrics_count_the_fallbacks_by_reason_and_time_the_stages(faulty):
         assert values[f"kvcodec_{name}_seconds_count"] >= 7, name
         assert f'kvcodec_{name}_seconds_bucket{{le="+Inf"}}' in values
     assert values["kvcodec_fetch_seconds_sum"] > 0
+
+
+# -- the server's own faults ---------------------------------------------------------------------
+KILL_DEADLINE_S = 60.0  # a request whose stub is killed must end by then
+LONG_TOKENS = 64  # the generation a client walks away from
+
+
+@pytest.fixture(scope="module")
+def own(settings, tokenizer, tmp_path_factory):
+    """A home of its own (chunk key, file store, costs) with a context ingested (int8-zstd, 3
+    chunks), for the tests below that stop or damage their server: each starts its own."""
+    home = tmp_path_factory.mktemp("own-home")
+    local = replace(settings, home=home, store=f"file://{home / 'store'}", key_file=home / "chunk.key",
+                    ladder=("int8-zstd",), adaptive=False)
+    text = text_of(tokenizer, "calendar.py", 800)
+    (home / "context.txt").write_text(text)
+    cli(local, "ingest", "--text-file", str(home / "context.txt"), "--codec", "int8-zstd", "--json", "--quiet")
+    return local, tokenizer.encode(text + QUESTION)
+
+
+@contextlib.contextmanager
+def own_server(local, name: str):
+    """A tritonserver of ``local``'s settings, its log at ``<home>/<name>.log``; stopped at the end."""
+    http_port, grpc_port, metrics = free_ports(3)
+    server = TritonServer(REPO / "model_repository", local, Ports(http_port, grpc_port, metrics),
+                          log_path=local.home / f"{name}.log")
+    server.start(timeout_s=300)
+    try:
+        yield server, f"http://127.0.0.1:{metrics}/metrics"
+    finally:
+        server.stop()
+
+
+def metric_values(url: str, prefix: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+            if name.startswith(prefix)}
+
+
+def pending(url: str) -> dict:
+    """Triton's queued (not yet executing) requests per model."""
+    values = metric_values(url, "nv_inference_pending_request_count")
+    return {re.search(r'model="([^"]+)"', k).group(1): v for k, v in values.items()}
+
+
+def answered(url: str) -> float:
+    """Requests the llm step finished (all outcomes)."""
+    return sum(metric_values(url, "kvcodec_requests_total").values())
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.1)
+
+
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def grpc_first_token_then_gone(server, ids, max_tokens: int) -> list:
+    """Open a gRPC stream, take the first token, then cancel the call and close the channel."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, array, dtype in (("input_ids", np.asarray(ids, np.int32), "INT32"),
+                               ("max_tokens", np.array([max_tokens], np.int32), "INT32"),
+                               ("reuse", np.array([True]), "BOOL")):
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    answers: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("kvcodec", inputs, enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=120)
+            assert error is None, error
+            tokens = result.as_numpy("output_ids")
+            if tokens is not None and tokens.size:
+                return tokens.tolist()
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def http_first_token_then_gone(server, ids, max_tokens: int) -> list:
+    """POST generate_stream, read the first token's event, then close the connection."""
+    host, _, port = server.http_url.partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", "/v2/models/kvcodec/generate_stream",
+                     body=json.dumps({"input_ids": list(ids), "max_tokens": max_tokens, "reuse": True}),
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        response = conn.getresponse()
+        assert response.status == 200
+        try:
+            for raw in response:
+                if raw.startswith(b"data:"):
+                    tokens = json.loads(raw[5:]).get("output_ids")
+                    if tokens not in (None, []):
+                        return tokens if isinstance(tokens, list) else [tokens]
+        finally:
+            response.close()
+    finally:
+        conn.close()
+    raise AssertionError("the stream ended without a token")
+
+
+@pytest.mark.timeout(600)
+def test_a_client_that_disconnects_mid_stream_leaves_nothing_behind(own):
+    """After each disconnect the next request is answered exactly as before; every abandoned
+    generation runs to its end (the llm step counts it; it does not stop early: the engine has no
+    cancellation) and nothing stays queued, the server's process tree holds no more fds than before,
+    and at shutdown Triton finds no request still in flight."""
+    local, ids = own
+    with own_server(local, "disconnect") as (server, metrics):
+        clients = {p: KVCodecClient(server.grpc_url if p == "grpc" else server.http_url, p) for p in ("grpc", "http")}
+        reference = clients["grpc"].generate(ids, 8, reuse=True)
+        assert reference.reused_tokens == 768
+        before, done = sample_tree(server.pid), answered(metrics)
+        walk_away = {"grpc": grpc_first_token_then_gone, "http": http_first_token_then_gone}
+        for protocol in ("grpc", "http", "grpc", "http"):
+            t0 = time.monotonic()
+            assert walk_away[protocol](server, ids, LONG_TOKENS) == reference.tokens[:1]
+            after = clients[protocol].generate(ids, 8, reuse=True)
+            assert after.tokens == reference.tokens and after.reused_tokens == 768, protocol
+            print(f"{protocol} disconnect after the first token: the next request answered in "
+                  f"{time.monotonic() - t0:.1f} s (behind the abandoned generation)")
+        wait_for(lambda: answered(metrics) == done + 8, 60, "the llm step finishes every request, abandoned too")
+        assert pending(metrics) == {model: 0 for model in MODELS}
+        wait_for(lambda: sample_tree(server.pid)["fds"] <= before["fds"], 30, "the closed connections' fds go")
+        now = sample_tree(server.pid)
+        assert (now["processes"], now["zombies"], now["shm_regions"]) == (5, 0, 4)
+    log = server.log_path.read_text(errors="replace")
+    assert "Found 0 model versions that have in-flight inferences" in log
+    assert not re.search(r"has \d+ in-flight inferences", log)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_stub_ends_its_request_but_triton_does_not_recover(own):
+    """SIGKILL to the kv_decode stub while a request is in it (the stub is stopped first, so the
+    request is certainly inside it: Triton reports kv_decode busy with requests queued behind).
+
+    Observed with Triton 2.51's python backend, and asserted so that a change shows: the request
+    ends at once with "Stub process 'kv_decode_0_0' is not healthy." (no hang, no prefill answer);
+    Triton does not restart the stub (it stays a zombie, unreaped) and keeps reporting the model and
+    the server ready; every later request fails with the same error; and every failed request stays
+    in flight in the ensemble for good: at shutdown Triton waits its whole exit timeout for them."""
+    local, ids = own
+    with own_server(local, "killed-stub") as (server, metrics):
+        client = KVCodecClient(server.grpc_url, "grpc", timeout_s=KILL_DEADLINE_S)
+        assert client.generate(ids, 4, reuse=True).reused_tokens == 768
+        stubs = stub_pids(server.pid)
+        assert set(stubs) == {"kv_fetch_0_0", "kv_decode_0_0", "kv_restore_0_0", "llm_0_0"}, stubs
+        victim = stubs["kv_decode_0_0"]
+        os.kill(victim, signal.SIGSTOP)
+        outcome: dict = {}
+
+        def ask() -> None:
+            try:
+                outcome["tokens"] = client.generate(ids, 4, reuse=True).tokens
+            except ClientError as exc:
+                outcome["error"] = exc.message
+
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        wait_for(lambda: pending(metrics).get("kv_decode", 0) > 0, 60, "the request's chunks wait on kv_decode")
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        asking.join(KILL_DEADLINE_S)
+        ended_s = time.monotonic() - t0
+        assert not asking.is_alive(), f"the request still hangs {KILL_DEADLINE_S:g} s after its stub was killed"
+
+        later = []
+        for _ in range(5):  # what the server does next, over ~10 s
+            try:
+                later.append(client.generate(ids, 4, reuse=True).tokens)
+            except ClientError as exc:
+                later.append(exc.message)
+            time.sleep(2)
+        victim_now = read_proc(victim)
+        observed = {
+            "request_ended_after_kill_s": round(ended_s, 2), "request": outcome,
+            "victim_state": victim_now.state if victim_now else "gone",
+            "stubs_after": sorted(stub_pids(server.pid)),
+            "kv_decode_ready": status(f"http://{server.http_url}/v2/models/kv_decode/ready"),
+            "server_ready": status(f"http://{server.http_url}/v2/health/ready"),
+            "later_requests": later,
+        }
+        print(f"killed kv_decode stub: {observed}")
+        assert "Stub process 'kv_decode_0_0' is not healthy" in outcome.get("error", ""), outcome
+        assert not alive(victim) and observed["victim_state"] == "Z"  # not reaped
+        assert observed["stubs_after"] == ["kv_fetch_0_0", "kv_restore_0_0", "llm_0_0"]  # not restarted
+        assert observed["kv_decode_ready"] == 200 and observed["server_ready"] == 200  # still says ready
+        assert all(isinstance(r, str) and "Stub process 'kv_decode_0_0' is not healthy" in r for r in later), later
+    log = server.log_path.read_text(errors="replace")
+    stuck = re.search(r"Model 'kvcodec' \(version 1\) has (\d+) in-flight inferences", log)
+    print(f"at shutdown: {stuck.group(0) if stuck else 'no request in flight'}")
+    assert stuck and int(stuck.group(1)) == 1 + len(later)
+    assert "Exit timeout expired" in log
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_prompt_longer_than_the_context_is_invalid_argument(server, protocol):
+    """Prompt plus max_tokens past the model's context (8192): refused at the door, short message."""
+    client = KVCodecClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol)
+    with pytest.raises(ClientError) as err:
+        client.generate([1] * 8190, 8)
+    message = err.value.message
+    assert message.endswith("prompt (8190 tokens) plus max_tokens (8) is longer than the model's context (8192)")
+    assert len(message) < 200 and "Traceback" not in message
+    if protocol == "http":
+        assert err.value.status == "400"  # INVALID_ARG; gRPC streams carry the message only
+    assert client.generate([1, 2, 3], 1).tokens  # and the server goes on

