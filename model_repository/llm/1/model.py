@@ -63,9 +63,10 @@ class TritonPythonModel:
     def _answer(self, sender, ids, max_tokens, assembled):
         """Generate and stream one request's tokens (a worker thread); always ends with FINAL."""
         final_sent = False
+        events = generate(self.engine, ids, max_tokens, assembled)
         try:
             reused = tensor("reused_tokens", np.array([assembled.reused_tokens], np.int32))
-            for event in generate(self.engine, ids, max_tokens, assembled):
+            for event in events:
                 if event.final:
                     with self.pb_lock:
                         self.metrics.record(event.stats)
@@ -79,14 +80,23 @@ class TritonPythonModel:
                     reused,
                     text_tensor("stats", stats),
                 ]))
+                if not event.final and self._cancelled(sender):  # the client went away: stop computing
+                    with self.pb_lock:
+                        self.metrics.cancelled()
+                    break
         except Exception as exc:
             if not isinstance(exc, KVCodecError):
                 log.exception("generation failed")
             self._send(sender, error_response(exc), FINAL)
             final_sent = True
         finally:
+            events.close()  # a generation left early ends in the engine too (vLLM aborts the request)
             if not final_sent:
                 self._send(sender, None, FINAL)
+
+    def _cancelled(self, sender) -> bool:
+        with self.pb_lock:
+            return bool(sender.is_cancelled())
 
     def _send(self, sender, response, flags=0):
         with self.pb_lock:
@@ -131,8 +141,14 @@ class _Metrics:
                                             counter)
         self.bytes = pb_utils.MetricFamily("kvcodec_fetched_bytes_total", "KV chunk bytes fetched", counter)
         self._by_outcome = {}
+        self._cancelled = pb_utils.MetricFamily("kvcodec_cancelled_total",
+                                                "Requests whose client went away before the last token", counter
+                                                ).Metric(labels={})
         self._tokens = self.tokens.Metric(labels={})
         self._bytes = self.bytes.Metric(labels={})
+
+    def cancelled(self):
+        self._cancelled.increment(1)
 
     def record(self, stats):
         outcome = stats.outcome
