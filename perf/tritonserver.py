@@ -8,6 +8,11 @@ its interpreter through it), passes the ``KVCODEC_*`` settings through the envir
 until the server is ready and every model is loaded, and raises with the log's tail if it is not.
 The server is a ``perf.procs.Process`` (its own session): ``stop()`` sends SIGTERM to the server,
 then SIGKILL to its process group after a grace period, and waits until nothing of the group is left.
+``start(append_log=True)`` after ``stop()`` starts it again on the same ports, its log appended to.
+
+``stubs()`` lists the server's python backend stubs (its children running
+``triton_python_backend_stub``), zombies included: Triton 2.51 neither reaps nor restarts a stub
+that died, so a watchdog (``perf.watchdog``) reads them to know when the server must restart.
 """
 from __future__ import annotations
 
@@ -19,13 +24,35 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from kvcodec.errors import Unsupported
 from kvcodec.settings import Settings
 from perf.procs import Process
 
 MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
+STUB = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class Stub:
+    """One python backend stub process. A live stub runs as ``triton_python_backend_stub MODEL.py
+    REGION DEFAULT_SIZE GROWTH PARENT_PID BACKEND_DIR IPC_HANDLE INSTANCE_NAME RUNTIME``; a zombie
+    has no command line left (``model_path`` and ``instance`` are then "")."""
+    pid: int
+    state: str  # proc(5)'s state letter: R, S, D, ... ; Z for a zombie
+    model_path: str = ""
+    instance: str = ""
+
+    @property
+    def zombie(self) -> bool:
+        return self.state == "Z"
+
+    @property
+    def model(self) -> str:
+        """The model's name: the folder above the version folder of its ``model.py`` ("" if unknown)."""
+        parts = Path(self.model_path).parts
+        return parts[-3] if len(parts) >= 3 else ""
 
 
 @dataclass(frozen=True)
@@ -60,6 +87,45 @@ def prepare_backends(target: Path) -> Path:
         if not dst.exists() or dst.stat().st_size != src.stat().st_size:
             shutil.copy2(src, dst)
     return target
+
+
+def _stat(pid: int) -> List[str]:
+    """``/proc/PID/stat`` as [comm, state, ppid, ...] (OSError if the process is gone)."""
+    head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
+    return [head.partition("(")[2], *rest.split()]
+
+
+def children(pid: int) -> List[int]:
+    """The PIDs whose parent is ``pid``, zombies included, from one pass over /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if int(_stat(int(name))[2]) == pid:
+                    out.append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return sorted(out)
+
+
+def read_stub(pid: int) -> Optional[Stub]:
+    """``pid`` as a ``Stub``, or None if it is gone or runs something else. A zombie is recognised
+    by its name (the kernel keeps the first 15 characters of the stub's name)."""
+    try:
+        comm, state = _stat(pid)[:2]
+        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except (OSError, ValueError):
+        return None
+    if argv and Path(argv[0]).name == STUB:
+        return Stub(pid, state, argv[1] if len(argv) > 1 else "", argv[8] if len(argv) > 8 else "")
+    if not argv and state == "Z" and comm == STUB[:15]:
+        return Stub(pid, state)
+    return None
+
+
+def stubs_of(pid: int) -> List[Stub]:
+    """The python backend stubs among ``pid``'s children, zombies included."""
+    return [stub for stub in map(read_stub, children(pid)) if stub is not None]
 
 
 class TritonServer:
@@ -115,13 +181,27 @@ class TritonServer:
         env.update(self.settings.environ())
         return env
 
-    def start(self, timeout_s: float = 180.0) -> "TritonServer":
-        """Start the server (its log truncated) and wait until it and every model are ready:
-        ``ServiceError`` (a RuntimeError) if it exits first, ``NotReady`` (a TimeoutError; the server
-        is stopped) after ``timeout_s``, each with the log's tail."""
-        self.process = Process("tritonserver", self.command(), self.log_path, env=self.environment(), append=False)
+    def start(self, timeout_s: float = 180.0, append_log: bool = False) -> "TritonServer":
+        """Start the server (its log truncated unless ``append_log``) and wait until it and every
+        model are ready: ``ServiceError`` (a RuntimeError) if it exits first, ``NotReady`` (a
+        TimeoutError; the server is stopped) after ``timeout_s``, each with the log's tail."""
+        self.process = Process("tritonserver", self.command(), self.log_path, env=self.environment(),
+                               append=append_log)
         self.process.start().wait_ready(self.ready, timeout_s, [self.log_path], poll_s=0.5)
         return self
+
+    def alive(self) -> bool:
+        """Whether the server process runs (it was started and has not exited)."""
+        return self.process is not None and self.process.alive()
+
+    @property
+    def returncode(self) -> Optional[int]:
+        """The server's exit code once it has exited; None while it runs or when never started."""
+        return self.process.returncode if self.process else None
+
+    def stubs(self) -> List[Stub]:
+        """The server's python backend stubs, zombies included ([] when it is not running)."""
+        return stubs_of(self.pid) if self.pid is not None else []
 
     def ready(self) -> bool:
         try:

@@ -58,11 +58,12 @@ def cmd_serve(args) -> int:
     engines.prepare(settings)
     server = TritonServer(Path(args.model_repository), settings,
                           Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host)
-    stopping = []
+    stopping, watching = [], []  # watching: non-empty while a watchdog runs (it may be restarting the server)
 
     def on_signal(signum, _frame):
         stopping.append(signum)
-        server.terminate()  # the main thread's wait() returns, then stop() reaps everything
+        if not watching:
+            server.terminate()  # the main thread's wait() returns, then stop() reaps everything
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -76,11 +77,36 @@ def cmd_serve(args) -> int:
         print(f"kvcodec serve: {exc}", file=sys.stderr)
         return 1
     print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "
-          f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}", flush=True)
-    code = server.wait()
+          f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}"
+          f"{'; watchdog on' if args.watchdog else ''}", flush=True)
+    code = _serve_watched(server, stopping, watching, args.timeout) if args.watchdog else server.wait()
     server.stop()
     print("kvcodec serve: stopped", flush=True)
     return 0 if stopping else code
+
+
+def _serve_watched(server, stopping: list, watching: list, start_timeout_s: float) -> int:
+    """Run a watchdog beside the ready server until a signal (``stopping``) or until the watchdog
+    gives up (its exit code). Once ``watching`` is marked, the signal handler only appends to
+    ``stopping``: the watchdog may be restarting the server, so this thread halts it first, then
+    ends a start under way."""
+    import logging
+
+    from perf.watchdog import Watchdog
+
+    logging.basicConfig(format="kvcodec serve: %(message)s")
+    watching.append(True)
+    watchdog = Watchdog(server, start_timeout_s=start_timeout_s).start()
+    while not stopping and watchdog.join(0.5):
+        pass
+    watchdog.halt()
+    while watchdog.running():
+        server.terminate()  # a start under way fails at once; the watchdog restarts nothing more
+        watchdog.join(0.5)
+    if watchdog.gave_up:
+        print(f"kvcodec serve: more than {watchdog.max_restarts} restarts within {watchdog.window_s:.0f} s; "
+              "stopped", file=sys.stderr)
+    return watchdog.exit_code or (0 if stopping else 1)  # 1 also when the watchdog itself failed
 
 
 def cmd_ingest(args) -> int:
@@ -277,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ladder", "--codecs", dest="ladder",
                    help="comma list of rungs to fetch chunks from, in preference order (KVCODEC_LADDER)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
+    p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart the server when a python stub or the server dies (default on; at most 5 "
+                        "restarts in 300 s, then exit 1)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("ingest", help="prefill a text once and store its KV chunks")

@@ -411,6 +411,50 @@ def test_a_killed_stub_ends_its_request_but_triton_does_not_recover(own):
     assert "Exit timeout expired" in log
 
 
+WATCHDOG_DEADLINE_S = 90.0  # from the kill to an answer again
+
+
+@pytest.mark.timeout(600)
+def test_a_watchdog_restarts_the_server_when_a_stub_dies(own):
+    """The same SIGKILL to the kv_decode stub, on a server under ``perf.watchdog.Watchdog``: it sees
+    the stub a zombie, stops the whole server (its process group goes) and starts it again on the
+    same ports; within the deadline a request is answered again, tokens equal to before and the
+    stored chunks reused; one restart counted; the new server's tree holds no zombie."""
+    from perf.watchdog import Watchdog
+
+    local, ids = own
+    with own_server(local, "watchdog") as (server, _metrics):
+        client = KVCodecClient(server.grpc_url, "grpc", timeout_s=KILL_DEADLINE_S)
+        reference = client.generate(ids, 4, reuse=True)
+        assert reference.reused_tokens == 768
+        restarted = threading.Event()
+        watchdog = Watchdog(server, on_restart=lambda _restart: restarted.set()).start()
+        try:
+            old_pid, victim = server.pid, stub_pids(server.pid)["kv_decode_0_0"]
+            os.kill(victim, signal.SIGKILL)
+            t0 = time.monotonic()
+            assert restarted.wait(WATCHDOG_DEADLINE_S), f"no restart {WATCHDOG_DEADLINE_S:g} s after the kill"
+            again = client.generate(ids, 4, reuse=True)  # the client made before the kill
+            answered_s = time.monotonic() - t0
+        finally:
+            watchdog.stop()
+        (restart,) = watchdog.history
+        print(f"watchdog: {restart}; answered again {answered_s:.1f} s after the kill")
+        assert answered_s < WATCHDOG_DEADLINE_S
+        assert again.tokens == reference.tokens and again.reused_tokens == 768
+        assert restart.ok and "kv_decode" in restart.reason and "is a zombie" in restart.reason, restart
+        assert watchdog.restarts == 1 and not watchdog.gave_up
+        assert server.pid != old_pid  # a new server, on the same ports: the same client answered
+        with pytest.raises(ProcessLookupError):
+            os.killpg(old_pid, 0)  # nothing of the old server's process group is left
+        assert not alive(victim)
+        now = sample_tree(server.pid)
+        assert (now["processes"], now["zombies"]) == (5, 0)
+        assert set(stub_pids(server.pid)) == {"kv_fetch_0_0", "kv_decode_0_0", "kv_restore_0_0", "llm_0_0"}
+    log = server.log_path.read_text(errors="replace")
+    assert log.count("Started GRPCInferenceService") == 2  # both runs, the log appended to
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_prompt_longer_than_the_context_is_invalid_argument(server, protocol):
     """Prompt plus max_tokens past the model's context (8192): refused at the door, short message."""
