@@ -13,13 +13,15 @@ the array, ``tensor`` is ``np.ascontiguousarray``, ``text_tensor`` a one-element
 
 - ``decode``:   the input chunk as a uint8 array (no copy) + ``DecodeStep.run(info, array)`` +
                 ``descriptor(decoded)`` + the output tensors (planes8 / planes16, side, chunk_header);
-- ``restore``:  picking planes16 or planes8 + ``RestoreStep.run_described(info, header, side, planes)``
-                (which parses the descriptor);
+- ``restore``:  picking planes16 or planes8 + ``RestoreStep(device).run_described(info, header, side, planes)``
+                (which parses the descriptor), on the CPU as a CPU instance of kv_restore runs it: the
+                planes arrive as numpy, the KV leaves as a CPU torch tensor (restore is torch);
 - ``assemble``: ``Assembler.add(info, kv)`` for each chunk of the request (each copies its chunk into
                 the request's preallocated array; the last also builds the result). Reported per chunk.
 - ``kv_tensor``: kv_restore's ``kv`` / ``kv32`` output tensors (the KV in the one of its dtype, the other
-                empty), timed apart and left out of ``total_ms``: the restored KV is not C-contiguous
-                (every layout, before the refactor too), so ``np.ascontiguousarray`` copies it. The run
+                empty; a CPU tensor as its numpy view, as ``kvcodec.triton.tensor`` does), timed apart and
+                left out of ``total_ms``: the restored KV of ``native``, ``q8``, ``qn`` and ``cg`` is not
+                C-contiguous (before the refactor too), so ``np.ascontiguousarray`` copies it. The run
                 before the refactor did not time this copy; ``total_ms`` stays comparable.
 
 Not emulated: ``ChunkInfo`` JSON in/out, the copies of ``pb_utils.Tensor`` into shared memory, and the
@@ -72,6 +74,7 @@ CHUNKS = 4
 REPEATS = 7  # the first is a warm-up, discarded
 TORCH_THREADS = 1
 DECODER_THREADS = 1
+RESTORE_DEVICE = "cpu"  # kv_restore's device on a CPU instance (KIND_GPU: cuda:<id>)
 MACHINE = "2-core CPU, shared"
 STAGES = ("decode", "restore", "assemble")  # total_ms is their sum
 APART = ("kv_tensor", "inner_decode", "inner_restore")
@@ -121,9 +124,10 @@ def _get_text(array: np.ndarray) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
-def _tensor(value: np.ndarray) -> np.ndarray:
-    """``tensor``: ``pb_utils.Tensor(name, np.ascontiguousarray(value))``, less the shared-memory copy."""
-    return np.ascontiguousarray(value)
+def _tensor(value: Any) -> np.ndarray:
+    """``tensor``: ``pb_utils.Tensor(name, np.ascontiguousarray(value))`` (a CPU torch tensor: its numpy
+    view), less the shared-memory copy."""
+    return np.ascontiguousarray(value if isinstance(value, np.ndarray) else value.numpy())
 
 
 def _text_tensor(text: str) -> np.ndarray:
@@ -154,7 +158,7 @@ class ServingPath:
 
     def __init__(self, model_id: str, auth: ChunkAuth, decoder: str = "pyav", threads: int = DECODER_THREADS) -> None:
         self.decode_step = DecodeStep(model_id, auth=auth, decoder=decoder, threads=threads)
-        self.restore_step = RestoreStep()
+        self.restore_step = RestoreStep(RESTORE_DEVICE)
         self.assembler = Assembler()
         self.inner_decode = Probe(self.decode_step.decoder.decode)
         self.inner_restore = Probe(restore_module.restore)
@@ -176,17 +180,18 @@ class ServingPath:
         return Wire(_tensor(EMPTY8 if wide else decoded.planes), _tensor(decoded.planes if wide else EMPTY16),
                     _tensor(side), _text_tensor(header))
 
-    def restore(self, info: ChunkInfo, wire: Wire) -> np.ndarray:
-        """kv_restore's ``execute`` for one chunk, up to its output tensor: the step's KV."""
+    def restore(self, info: ChunkInfo, wire: Wire) -> Any:
+        """kv_restore's ``execute`` for one chunk, up to its output tensor: the step's KV (a CPU tensor,
+        or the numpy ``EMPTY_KV`` of a failed chunk)."""
         planes16 = _get_array(wire.planes16, np.uint16)
         planes = planes16 if planes16.size else _get_array(wire.planes8, np.uint8)
         return self.restore_step.run_described(info, _get_text(wire.chunk_header), _get_array(wire.side, np.uint8),
                                                planes)
 
     @staticmethod
-    def kv_tensor(kv: np.ndarray) -> KVWire:
+    def kv_tensor(kv: Any) -> KVWire:
         """kv_restore's ``kv`` and ``kv32`` output tensors (what llm receives)."""
-        wide = kv.dtype == np.float32
+        wide = kv.itemsize == 4
         return KVWire(_tensor(EMPTY_KV16 if wide else kv), _tensor(kv if wide else EMPTY_KV32))
 
     def assemble(self, info: ChunkInfo, wire: KVWire) -> Optional[Assembled]:
@@ -207,7 +212,8 @@ def _check(stage: str, info: ChunkInfo, value: Any, last: bool) -> None:
     """Raises if a step failed: a benchmark of the failure path would be meaningless."""
     if not info.ok:
         raise RuntimeError(f"{stage} failed on chunk {info.index}: {info.status}: {info.reason}")
-    if stage == "restore" and (value.dtype not in (np.float16, np.float32) or value.shape[3] != info.tokens):
+    if stage == "restore" and (str(value.dtype).replace("torch.", "") not in ("float16", "float32")
+                               or value.shape[3] != info.tokens):
         raise RuntimeError(f"restore returned {value.dtype}{list(value.shape)} for {info.tokens} tokens")
     if stage == "assemble" and (value is None) == last:
         raise RuntimeError(f"assembler {'did not complete' if last else 'completed'} the request at chunk "
@@ -328,6 +334,7 @@ def run_chunkbench(settings: Any, rungs: Sequence[str], text_path: str | Path, c
         "statistic": "median over repetitions (warm-up excluded) of the request's per-chunk mean; wall-clock "
                      "perf_counter, cpu_* from process_time",
         "torch_threads": torch.get_num_threads(),
+        "restore_device": RESTORE_DEVICE,
         "decoder_threads": decoder_threads,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "machine": MACHINE,

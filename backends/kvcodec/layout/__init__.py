@@ -8,15 +8,24 @@ engine's own bytes, returns its ``dtype`` parameter's: float16 or float32). Layo
 ``needs_positions`` (keys before RoPE) take ``token_start`` as a keyword in both directions. Layouts
 that project on a per-model codec profile take its name as the ``profile`` parameter (the model
 card names it; ``format.codecs.Scheme.for_card``).
+
+Restore is written once per layout, in torch, for any device: ``from_planes_torch(planes, side,
+geometry, device, **at)`` takes the planes as numpy or as a torch tensor on any device and returns
+the KV as a tensor on ``device``; its side data checks (``CorruptChunk`` / ``ForeignChunk``) run on
+the host before anything is allocated on the device. ``from_planes`` (numpy in, numpy out: the
+encoder side's round trips, the tests) is that same implementation on the CPU.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Tuple, Union
 
 import numpy as np
 
 from ..format.geometry import Geometry
 from ..registry import Registry
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Layout:
@@ -32,8 +41,16 @@ class Layout:
     def to_planes(self, kv: np.ndarray) -> Tuple[np.ndarray, Dict[str, bytes]]:
         raise NotImplementedError
 
-    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], geometry: Geometry) -> np.ndarray:
-        """Return the KV chunk as float16 ``geometry.shape`` (``native``: as its ``dtype``)."""
+    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], geometry: Geometry, **at: Any) -> np.ndarray:
+        """The KV chunk as float16 ``geometry.shape`` (``native``: as its ``dtype``), numpy:
+        ``from_planes_torch`` on the CPU (the same memory, no copy)."""
+        from .tensors import CPU
+
+        return self.from_planes_torch(planes, side, geometry, CPU, **at).numpy()
+
+    def from_planes_torch(self, planes: Union[np.ndarray, "torch.Tensor"], side: Dict[str, bytes],
+                          geometry: Geometry, device: "torch.device", **at: Any) -> "torch.Tensor":
+        """``from_planes`` as a torch tensor on ``device``, from planes on any device."""
         raise NotImplementedError
 
 

@@ -7,17 +7,20 @@ stored offset by ``C`` (symbols 0..2C). Bins per layer as LMCache's 7B config: k
 layers 0-9 and ``bins // 2`` after, values ``bins`` in layers 0-1 and ``bins // 2`` after
 (``bins=32`` is LMCache's setting). Not matched: the paper's delta-vs-anchor-token grouping
 (LMCache does not implement it). The max-abs scales (float16, one per (layer, K|V, token)) are side
-data ``cg_max``; the entropy coding is the ``ans`` codec's. Restore: ``(s - C) * max / C``.
+data ``cg_max``; the entropy coding is the ``ans`` codec's. Restore: ``(s - C) * (max / C)``, in
+torch on any device.
 """
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError, CorruptChunk
 from ..format.geometry import Geometry
 from . import Layout
+from .tensors import Planes, as_tensor, check_planes, empty, side_array, side_tensor
 
 KEY_FIRST_LAYERS = 10
 VALUE_FIRST_LAYERS = 2
@@ -53,17 +56,18 @@ class CacheGenQuant(Layout):
         planes = q.astype(np.uint8).reshape(self.planes_shape(g))
         return np.ascontiguousarray(planes), {"cg_max": mx.astype(np.float16).tobytes()}
 
-    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry) -> np.ndarray:
-        want = self.planes_shape(g)
-        if planes.shape != want or planes.dtype != np.uint8:
-            raise CorruptChunk(f"cg planes are {planes.dtype}{planes.shape}, expected uint8{want}")
+    def from_planes_torch(self, planes: Planes, side: Dict[str, bytes], g: Geometry,
+                          device: torch.device) -> torch.Tensor:
+        check_planes(planes, self.planes_shape(g), np.uint8, "cg")
         try:
-            mx = np.frombuffer(side["cg_max"], dtype=np.float16).reshape(g.layers, 2, g.tokens, 1).astype(np.float32)
+            mx = side_array(side, "cg_max", np.float16, (g.layers, 2, g.tokens, 1)).astype(np.float32)
         except (KeyError, ValueError) as exc:
             raise CorruptChunk(f"cg side data missing or malformed: {exc}") from None
         if not np.isfinite(mx).all():
             raise CorruptChunk("cg side data holds non-finite scales")
         c = self.half_range(g.layers)[:, :, None, None].astype(np.float32)
-        q = planes.reshape(g.layers, 2, g.tokens, -1).astype(np.float32)
-        x = (q - c) * (mx / c)
-        return x.reshape(g.layers, 2, g.tokens, g.kv_heads, g.head_dim).transpose(0, 1, 3, 2, 4).astype(np.float16)
+        shape = (g.layers, 2, g.tokens, g.kv_heads * g.head_dim)
+        x = empty(shape, torch.float32, device).copy_(as_tensor(planes, device).reshape(shape))
+        x.sub_(side_tensor(c, device)).mul_(side_tensor(mx / c, device))
+        out = empty(shape, torch.float16, device).copy_(x)
+        return out.view(g.layers, 2, g.tokens, g.kv_heads, g.head_dim).permute(0, 1, 3, 2, 4)

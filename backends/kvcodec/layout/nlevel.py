@@ -2,18 +2,21 @@
 
 As ``q8`` (one frame per (layer, K|V), tokens as rows, ``kv_heads * head_dim`` columns), but each
 (layer, K|V, head, channel) is mapped onto ``levels`` values 0..levels-1 with its float16 minimum
-and step (side data ``qn_min`` / ``qn_step``). Restore is ``q * step + min``: one vectorised
-multiply-add.
+and step (side data ``qn_min`` / ``qn_step``). Restore is ``q * step + min``, in torch on any
+device (``quant.per_channel``, as ``q8``).
 """
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError, CorruptChunk
 from ..format.geometry import Geometry
 from . import Layout
+from .quant import per_channel
+from .tensors import Planes, check_planes, side_array
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -45,17 +48,15 @@ class PerChannelN(Layout):
         side = {"qn_min": lo.astype(np.float16).tobytes(), "qn_step": step.astype(np.float16).tobytes()}
         return np.ascontiguousarray(planes), side
 
-    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry) -> np.ndarray:
-        want = self.planes_shape(g)
-        if planes.shape != want or planes.dtype != np.uint8:
-            raise CorruptChunk(f"qn planes are {planes.dtype}{planes.shape}, expected uint8{want}")
+    def from_planes_torch(self, planes: Planes, side: Dict[str, bytes], g: Geometry,
+                          device: torch.device) -> torch.Tensor:
+        check_planes(planes, self.planes_shape(g), np.uint8, "qn")
         shape = (g.layers, 2, g.kv_heads, 1, g.head_dim)
         try:
-            lo = np.frombuffer(side["qn_min"], dtype=np.float16).reshape(shape).astype(np.float32)
-            step = np.frombuffer(side["qn_step"], dtype=np.float16).reshape(shape).astype(np.float32)
+            lo = side_array(side, "qn_min", np.float16, shape).astype(np.float32)
+            step = side_array(side, "qn_step", np.float16, shape).astype(np.float32)
         except (KeyError, ValueError) as exc:
             raise CorruptChunk(f"qn side data missing or malformed: {exc}") from None
         if not (np.isfinite(lo).all() and np.isfinite(step).all()):
             raise CorruptChunk("qn side data holds non-finite scales")
-        q = planes.reshape(g.layers, 2, g.tokens, g.kv_heads, g.head_dim).transpose(0, 1, 3, 2, 4)
-        return (q.astype(np.float32) * step + lo).astype(np.float16)
+        return per_channel(planes, lo, step, g, device)

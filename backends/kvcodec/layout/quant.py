@@ -3,17 +3,20 @@
 For every (layer, K|V, head, channel) the values over the chunk's tokens are mapped linearly
 onto 0..255 with that channel's minimum and step (both stored as float16 side data, and the
 quantization uses the float16-rounded values so that restore is exact for given planes). A frame
-is ``tokens`` rows by ``kv_heads * head_dim`` columns.
+is ``tokens`` rows by ``kv_heads * head_dim`` columns. Restore (torch, any device): ``q * step + min``
+in float32, rounded once to float16.
 """
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
 import numpy as np
+import torch
 
 from ..errors import CorruptChunk
 from ..format.geometry import Geometry
 from . import Layout
+from .tensors import Planes, as_tensor, check_planes, empty, side_array, side_tensor
 
 
 class PerChannel8(Layout):
@@ -38,15 +41,23 @@ class PerChannel8(Layout):
         }
         return np.ascontiguousarray(planes), side
 
-    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry) -> np.ndarray:
-        want = self.planes_shape(g)
-        if planes.shape != want or planes.dtype != np.uint8:
-            raise CorruptChunk(f"q8 planes are {planes.dtype}{planes.shape}, expected uint8{want}")
+    def from_planes_torch(self, planes: Planes, side: Dict[str, bytes], g: Geometry,
+                          device: torch.device) -> torch.Tensor:
+        check_planes(planes, self.planes_shape(g), np.uint8, "q8")
         scale_shape = (g.layers, 2, g.kv_heads, 1, g.head_dim)
         try:
-            lo = np.frombuffer(side["q8_min"], dtype=np.float16).reshape(scale_shape).astype(np.float32)
-            step = np.frombuffer(side["q8_step"], dtype=np.float16).reshape(scale_shape).astype(np.float32)
+            lo = side_array(side, "q8_min", np.float16, scale_shape)
+            step = side_array(side, "q8_step", np.float16, scale_shape)
         except (KeyError, ValueError) as exc:
             raise CorruptChunk(f"q8 side data missing or malformed: {exc}") from None
-        q = planes.reshape(g.layers, 2, g.tokens, g.kv_heads, g.head_dim).transpose(0, 1, 3, 2, 4)
-        return (q.astype(np.float32) * step + lo).astype(np.float16)
+        return per_channel(planes, lo, step, g, device)
+
+
+def per_channel(planes: Planes, lo: np.ndarray, step: np.ndarray, g: Geometry, device: torch.device) -> torch.Tensor:
+    """Float16 KV ``q * step + lo`` (float32, two roundings, then one to float16) from per-channel
+    planes ``[layers * 2, tokens, kv_heads * head_dim]`` and host scales ``[layers, 2, kv_heads, 1,
+    head_dim]``, on ``device``, in the planes' memory order (tokens before heads); also ``qn``'s."""
+    shape = (g.layers, 2, g.tokens, g.kv_heads, g.head_dim)  # the planes' order: tokens before heads
+    x = empty(shape, torch.float32, device).copy_(as_tensor(planes, device).reshape(shape)).permute(0, 1, 3, 2, 4)
+    x.mul_(side_tensor(step, device, np.float32)).add_(side_tensor(lo, device, np.float32))
+    return empty(shape, torch.float16, device).permute(0, 1, 3, 2, 4).copy_(x)

@@ -13,20 +13,25 @@ same 3.8x on two texts, ``perf/results/README.md``).
 Planes: the signed integers, zig-zag mapped to 16 bits and split in two byte planes (low bytes,
 then high bytes), each frame one (layer, K|V) with the ``C`` coefficients as rows (leading
 components first) and the tokens as columns, so zeros of the trailing components run together.
-Restore is one batched matrix product, an add, and RoPE re-applied (no per-token loops).
-Side data: the profile digest (``pca_profile``) and the float32 steps (``pca_step``).
+Restore is one batched matrix product, an add, and RoPE re-applied (no per-token loops), in torch on
+any device (``from_planes_torch``): the profile's basis and mean go to a device once (``on_device``),
+RoPE's cos/sin tables once per (device, dtype, head_dim, theta) over a range of positions that grows
+as needed (``rope_tables``). Side data: the profile digest (``pca_profile``) and the float32 steps
+(``pca_step``).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError, CorruptChunk, ForeignChunk
 from ..format.geometry import Geometry
 from ..profiles import Profile, load_profile
-from ..profiles.rope import rope, unrope
+from ..profiles.rope import _cos_sin, unrope
 from . import Layout
+from .tensors import NUMPY_OF, Cached, Planes, as_tensor, check_planes, empty, side_tensor
 
 LIMIT = 32767
 
@@ -104,15 +109,15 @@ class PcaUniform(Layout):
             raise CorruptChunk("pca side data holds non-finite steps")
         return step
 
-    def restore_kv(self, q: np.ndarray, basis: np.ndarray, offset: np.ndarray, p: Profile, g: Geometry,
-                   token_start: int) -> np.ndarray:
+    def restore_kv(self, q: torch.Tensor, basis: torch.Tensor, offset: torch.Tensor, p: Profile, g: Geometry,
+                   token_start: int) -> torch.Tensor:
         """Float16 KV from the stored integers ``q`` ``[layers, 2, C, tokens]``: ``basis @ q + offset``
-        (the layout's scales folded into ``basis``, its centre into ``offset``), RoPE re-applied."""
-        X = synthesize(basis, q, offset)
-        x = X.reshape(g.layers, 2, g.kv_heads, g.head_dim, g.tokens).transpose(0, 1, 2, 4, 3)
-        out = np.empty(g.shape, dtype=np.float16)
-        out[:, 0] = rope(np.ascontiguousarray(x[:, 0]), token_start, p.rope_theta)
-        out[:, 1] = x[:, 1]
+        (the layout's scales folded into ``basis``, its centre into ``offset``), RoPE re-applied; on
+        ``q``'s device."""
+        X = synthesize(basis, q, offset).view(g.layers, 2, g.kv_heads, g.head_dim, g.tokens)
+        out = empty(g.shape, torch.float16, X.device)
+        out[:, 0].copy_(rope_dt(X[:, 0], token_start, p.rope_theta).transpose(-1, -2))  # [.., D, T] -> [.., T, D]
+        out[:, 1].copy_(X[:, 1].transpose(-1, -2))
         return out
 
     def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
@@ -124,20 +129,21 @@ class PcaUniform(Layout):
         side = {"pca_profile": p.digest.encode(), "pca_step": step.tobytes()}
         return np.ascontiguousarray(planes), side
 
-    def opened(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry, dtype) -> Tuple[Profile, np.ndarray]:
+    def opened(self, planes: Planes, side: Dict[str, bytes], g: Geometry, dtype) -> Tuple[Profile, np.ndarray]:
         """The profile and the steps a chunk's planes restore with, once its planes are checked."""
-        want = self.planes_shape(g)
-        if planes.shape != want or planes.dtype != dtype:
-            raise CorruptChunk(f"{self.name} planes are {planes.dtype}{planes.shape}, "
-                               f"expected {np.dtype(dtype).name}{want}")
+        check_planes(planes, self.planes_shape(g), dtype, self.name)
         return self.checked_profile(side, g), self.read_steps(side, g)
 
-    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry, token_start: int = 0) -> np.ndarray:
+    def from_planes_torch(self, planes: Planes, side: Dict[str, bytes], g: Geometry, device: torch.device,
+                          token_start: int = 0) -> torch.Tensor:
         p, step = self.opened(planes, side, g, np.uint8)
+        on = on_device(p, device)
+        t = as_tensor(planes, device)
         half = g.layers * 2
-        z = planes[:half].astype(np.uint16) | (planes[half:].astype(np.uint16) << 8)
-        q = unzigzag(z).reshape(g.layers, 2, p.channels, g.tokens)
-        return self.restore_kv(q, p.basis * step[:, :, None, None], p.mean, p, g, token_start)
+        z = t[:half].to(torch.int32).bitwise_or_(t[half:].to(torch.int32).bitwise_left_shift_(8))
+        q = unzigzag_torch(z).reshape(g.layers, 2, p.channels, g.tokens)
+        basis = on.basis * side_tensor(step, device)[:, :, None, None]
+        return self.restore_kv(q, basis, on.mean, p, g, token_start)
 
 
 class PcaVideo(PcaUniform):
@@ -187,7 +193,8 @@ class PcaVideo(PcaUniform):
         side["pca_shift"] = shift.tobytes()
         return np.ascontiguousarray(planes), side
 
-    def from_planes(self, planes: np.ndarray, side: Dict[str, bytes], g: Geometry, token_start: int = 0) -> np.ndarray:
+    def from_planes_torch(self, planes: Planes, side: Dict[str, bytes], g: Geometry, device: torch.device,
+                          token_start: int = 0) -> torch.Tensor:
         p, step = self.opened(planes, side, g, np.uint16)
         try:
             shift = np.frombuffer(side["pca_shift"], dtype=np.uint8).reshape(g.layers, 2, p.channels)
@@ -195,14 +202,16 @@ class PcaVideo(PcaUniform):
             raise CorruptChunk(f"pca10 side data missing or malformed: {exc}") from None
         if int(shift.max(initial=0)) > 15:
             raise CorruptChunk("pca10 side data holds a shift above 15")
-        scale = step[:, :, None] * np.exp2(shift).astype(np.float32)  # [L, 2, C]
-        q = planes.reshape(g.layers, 2, p.channels, g.tokens)
-        if self.reorder:
-            q = q[..., self._inverse_order(side, g.tokens)]  # the gather on 2-byte samples
+        inverse = self._inverse_order(side, g.tokens) if self.reorder else None
+        scale = step[:, :, None] * np.exp2(shift).astype(np.float32)  # [L, 2, C], host (a few kB)
+        on = on_device(p, device)
+        q = as_tensor(planes, device).reshape(g.layers, 2, p.channels, g.tokens)
+        if inverse is not None:  # the gather on 2-byte samples (as int16: uint16 has few kernels)
+            q = q.view(torch.int16)[..., as_tensor(inverse, device)].view(torch.uint16)
         # basis @ ((q - 512) * scale) + mean, with the scale folded into the basis' columns and
         # the centre into the offset: one matrix product over the samples as they come
-        basis = p.basis * scale[:, :, None, :]
-        offset = p.mean - self.CENTRE * basis.sum(axis=-1)
+        basis = on.basis * side_tensor(scale, device)[:, :, None, :]
+        offset = on.mean - self.CENTRE * basis.sum(dim=-1)
         return self.restore_kv(q, basis, offset, p, g, token_start)
 
     @staticmethod
@@ -218,16 +227,83 @@ class PcaVideo(PcaUniform):
         return inverse
 
 
-def synthesize(basis: np.ndarray, coeff: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """``basis @ coeff + offset[..., None]`` in float32, batched over (layer, K|V), by torch's matmul
-    (about twice numpy's on this CPU)."""
-    import torch
+def unzigzag_torch(z: torch.Tensor) -> torch.Tensor:
+    """``unzigzag`` of int32 ``z`` in torch (in place)."""
+    sign = (z & 1).neg_()
+    return z.bitwise_right_shift_(1).bitwise_xor_(sign)
 
-    b = torch.from_numpy(np.ascontiguousarray(basis, dtype=np.float32))
-    c = torch.from_numpy(np.ascontiguousarray(coeff)).to(torch.float32)
-    out = torch.matmul(b, c)
-    out += torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32))[..., None]
-    return out.numpy()
+
+def synthesize(basis: torch.Tensor, coeff: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``basis @ coeff + offset[..., None]`` in float32, batched over (layer, K|V), on their device
+    (torch's matmul: about twice numpy's on this CPU)."""
+    c = empty(coeff.shape, torch.float32, coeff.device).copy_(coeff)
+    out = torch.matmul(basis, c, out=empty(basis.shape[:-1] + coeff.shape[-1:], torch.float32, coeff.device))
+    out += offset[..., None]
+    return out
+
+
+class OnDevice(NamedTuple):
+    basis: torch.Tensor  # float32 [layers, 2, C, C]
+    mean: torch.Tensor  # float32 [layers, 2, C]
+
+
+_ON_DEVICE = Cached(limit=8)
+
+
+def on_device(p: Profile, device: torch.device) -> OnDevice:
+    """The profile's basis and mean as tensors on ``device``, made once per profile (name and
+    digest) and device; on the CPU they are the profile's own arrays (no copy)."""
+    device = torch.device(device)
+    return _ON_DEVICE.get((p.name, p.digest, device), lambda: OnDevice(
+        as_tensor(np.ascontiguousarray(p.basis, np.float32), device),
+        as_tensor(np.ascontiguousarray(p.mean, np.float32), device)))
+
+
+class RopeKey(NamedTuple):
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    theta: float
+    positions: int  # the table covers positions 0..positions-1
+
+
+def _rope_table(tokens: int, head_dim: int, token_start: int, theta: float, device: torch.device,
+                dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = _cos_sin(tokens, head_dim, token_start, theta)  # float64 [tokens, head_dim]
+    sin[:, :head_dim // 2] *= -1.0  # rotate_half's minus sign folded into the table (exact)
+    return (as_tensor(np.ascontiguousarray(cos.T, NUMPY_OF[dtype]), device),
+            as_tensor(np.ascontiguousarray(sin.T, NUMPY_OF[dtype]), device))
+
+
+_ROPE = Cached(limit=16)
+ROPE_CACHED = 1 << 16  # positions below this come from a cached table; above, computed per chunk
+
+
+def rope_tables(tokens: int, head_dim: int, token_start: int, theta: float, device: torch.device,
+                dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sign-folded sin at positions ``token_start + 0..tokens-1``, transposed:
+    ``[head_dim, tokens]``: views of a table per (device, dtype, head_dim, theta) that covers positions
+    0 up to a power of two, at least 4096 and at most ``ROPE_CACHED`` (later positions: made for the
+    chunk alone). The float64 angles of ``profiles.rope``, rounded once to ``dtype``: the same numbers
+    either way."""
+    end = token_start + tokens
+    if token_start < 0 or end > ROPE_CACHED:
+        return _rope_table(tokens, head_dim, token_start, theta, device, dtype)
+    key = RopeKey(torch.device(device), dtype, int(head_dim), float(theta), 1 << max(12, (end - 1).bit_length()))
+    cos, sin = _ROPE.get(key, lambda: _rope_table(key.positions, key.head_dim, 0, key.theta, key.device, key.dtype))
+    return cos[:, token_start:end], sin[:, token_start:end]
+
+
+def rope_dt(k: torch.Tensor, token_start: int, theta: float) -> torch.Tensor:
+    """``profiles.rope.rope`` on keys laid out ``[..., head_dim, tokens]`` (a new tensor): ``k * cos +
+    rotate_half(k) * sin``, with the same roundings (rotate_half's minus sign is in the sin table)."""
+    head_dim, tokens = k.shape[-2], k.shape[-1]
+    cos, sin = rope_tables(tokens, head_dim, token_start, theta, k.device, k.dtype)
+    half = head_dim // 2
+    rotated = torch.cat((k[..., half:, :], k[..., :half, :]), dim=-2, out=empty(k.shape, k.dtype, k.device))
+    out = torch.mul(k, cos, out=empty(k.shape, k.dtype, k.device))
+    out += rotated.mul_(sin)
+    return out
 
 
 def chain_order(x: np.ndarray) -> np.ndarray:

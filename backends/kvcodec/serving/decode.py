@@ -13,17 +13,31 @@ the ``ChunkInfo`` failed (a miss from that chunk on) and returns empty planes.
 The contract with ``kv_restore`` is ``Decoded``: planes as ``uint8`` or ``uint16``
 ``[frames, height, width]`` (their real dtype and shape), the checked ``ChunkHeader`` and the
 side sections (small: scales, steps, token order). Nothing is re-serialized or re-verified.
+
+Self-tested decoders (``selftest=True``, or ``device_output=True``; kv_decode's): the HEVC decoder
+is made once with the GPU id and output mode given, and checked at start-up on the reference
+stream of every stream profile the rungs write (``bitstream.selftest``; ``selftest_results``
+says how each fared). A decoder is not used for a profile it failed: ``decoder="auto"`` falls
+back to PyAV, any other name makes that profile's chunks misses (``Unsupported``, with the
+reason). Planes a verified decoder leaves on the device (NVDEC ``device_output``: torch tensors on
+the GPU) skip the per-chunk host digest: the bitstream itself is still covered by the container's
+payload digest and the keyed tag, checked on the bytes before decoding, and the decoder by its
+self-test. Only the first chunk of each (profile, planes shape) is still hashed on the host (one
+copy): the self-test's streams have one frame size, and NVDEC reconfigures per size. Host planes
+(PyAV, NVDEC's host mode) and profiles with no reference stream keep the digest check. Without
+``selftest``, each scheme's coder makes its own decoder, as before.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Set, Tuple
 
 import numpy as np
 
 from ..bitstream import BitstreamCoder
+from ..bitstream.selftest import VerifiedDecoders, host_array, stream_profile
 from ..encode import PAYLOAD, make_coder, planes_digest
 from ..errors import ChunkError, CorruptChunk, ForeignChunk, KVCodecError
 from ..format import container
@@ -39,7 +53,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Decoded:
     header: Optional[ChunkHeader]  # None for a failed or empty chunk
-    planes: np.ndarray  # uint8 or uint16 [frames, height, width]
+    planes: Any  # uint8 or uint16 [frames, height, width]: numpy, or a torch tensor on the decoder's GPU
     side: Dict[str, bytes] = field(default_factory=dict)  # the chunk's sections but the payload
 
     @classmethod
@@ -56,14 +70,30 @@ class ChunkDecoder:
     scheme, made on first use."""
 
     def __init__(self, model_id: str, *, auth: ChunkAuth, decoder: str = "pyav", threads: int = 1,
-                 geometry: Optional[Geometry] = None) -> None:
+                 geometry: Optional[Geometry] = None, selftest: bool = False, gpu_id: int = 0,
+                 device_output: bool = False) -> None:
         """``geometry``: the KV geometry of one chunk of this model (its card's, at the chunk size);
-        a chunk of another geometry is foreign, refused before anything is allocated for it."""
+        a chunk of another geometry is foreign, refused before anything is allocated for it.
+        ``selftest``: one HEVC decoder, self-tested now (see the module's docstring); ``gpu_id``
+        and ``device_output`` (which implies ``selftest``) are NVDEC's."""
         self.model_id = model_id
         self.auth = auth
         self.geometry = geometry
         self._runtime = {"decoder": decoder, "threads": threads}
         self._codecs: Dict[str, BitstreamCoder] = {}
+        self._video: Optional[VerifiedDecoders] = None
+        if selftest or device_output:
+            self._video = VerifiedDecoders(decoder, threads=threads, gpu_id=gpu_id, device_output=device_output)
+        self._trusted: Set[Tuple[str, Tuple[int, ...]]] = set()  # (profile, shape) checked once on the host
+
+    @property
+    def selftest_results(self) -> Optional[Dict[str, Any]]:
+        """Per decoder and stream profile, how its start-up self-test went (None without one)."""
+        return None if self._video is None else self._video.summary()
+
+    @property
+    def verified_profiles(self) -> Set[str]:
+        return set() if self._video is None else self._video.verified_profiles
 
     def _codec_for(self, header: ChunkHeader) -> BitstreamCoder:
         identity = header.scheme_id
@@ -95,30 +125,63 @@ class ChunkDecoder:
             raise ForeignChunk(f"chunk geometry {header.geometry.to_dict()} is not this model's "
                                f"{self.geometry.to_dict()}")
         coder = self._codec_for(header)
-        planes = coder.decode(chunk.sections[PAYLOAD], header.planes_shape)
-        if planes.dtype != header.planes_dtype or planes.shape != header.planes_shape:
-            raise CorruptChunk(f"decoder returned {planes.dtype}{planes.shape}, the header says "
+        trust = None  # (profile, shape) of planes a verified decoder left on the device
+        if self._video is not None and coder.name == "hevc":
+            planes, trust = self._decode_video(coder, header, chunk.sections[PAYLOAD])
+        else:
+            planes = coder.decode(chunk.sections[PAYLOAD], header.planes_shape)
+        if _dtype_name(planes) != header.planes_dtype.name or tuple(planes.shape) != tuple(header.planes_shape):
+            raise CorruptChunk(f"decoder returned {_dtype_name(planes)}{tuple(planes.shape)}, the header says "
                                f"{header.planes_dtype}{header.planes_shape}")
-        # Planes that are the payload's bytes have the digest the container check just verified:
-        # comparing the two strings is the same check as hashing the planes a second time.
-        digest = chunk.digests.get(PAYLOAD) if coder.verbatim else planes_digest(planes)
-        if digest != header.planes_digest:
-            raise CorruptChunk("decoded planes do not match the digest taken at ingest")
+        if trust is None or trust not in self._trusted:
+            # Planes that are the payload's bytes have the digest the container check just verified:
+            # comparing the two strings is the same check as hashing the planes a second time.
+            digest = chunk.digests.get(PAYLOAD) if coder.verbatim else planes_digest(host_array(planes))
+            if digest != header.planes_digest:
+                raise CorruptChunk("decoded planes do not match the digest taken at ingest")
+            if trust is not None:
+                self._trusted.add(trust)
         side = {name: bytes(body) for name, body in chunk.sections.items() if name != PAYLOAD}
         return Decoded(header, planes, side)
+
+    def _decode_video(self, coder: Any, header: ChunkHeader, payload: Any) -> Tuple[Any, Optional[tuple]]:
+        """An HEVC payload through the self-tested decoder for its stream profile: (planes, the
+        (profile, shape) key when they are a verified decoder's device output, else None)."""
+        profile = stream_profile(header.codec_params)
+        decoder, verified = self._video.choose(profile)
+        frames, height, width = header.planes_shape
+        out = decoder.decode(payload, width, height, coder.bit_depth)
+        if len(out) != frames:
+            raise CorruptChunk(f"hevc stream held {len(out)} frames, expected {frames}")
+        if not out or isinstance(out[0], np.ndarray):
+            return np.stack(out), None
+        import torch
+
+        planes = torch.stack(out)
+        device = verified and bool(getattr(decoder, "device_output", False))
+        return planes, (profile, tuple(planes.shape)) if device else None
 
     def close(self) -> None:
         for codec in self._codecs.values():
             codec.close()
         self._codecs.clear()
+        if self._video is not None:
+            self._video.close()
+
+
+def _dtype_name(planes: Any) -> str:
+    """numpy's name of the planes' dtype (``uint16``), for torch tensors too."""
+    return planes.dtype.name if isinstance(planes, np.ndarray) else str(planes.dtype).replace("torch.", "")
 
 
 class DecodeStep:
     """Bitstream -> planes. Holds one decoder per codec, made once."""
 
     def __init__(self, model_id: str, *, auth: ChunkAuth, decoder: str = "pyav", threads: int = 1,
-                 geometry: Optional[Geometry] = None) -> None:
-        self.decoder = ChunkDecoder(model_id, auth=auth, decoder=decoder, threads=threads, geometry=geometry)
+                 geometry: Optional[Geometry] = None, **options: Any) -> None:
+        """``options``: ``ChunkDecoder``'s ``selftest``, ``gpu_id``, ``device_output``."""
+        self.decoder = ChunkDecoder(model_id, auth=auth, decoder=decoder, threads=threads, geometry=geometry,
+                                    **options)
 
     def run(self, info: ChunkInfo, data: Any) -> Decoded:
         """``data``: the chunk's bytes (any buffer: bytes, a numpy array). Marks ``info``."""

@@ -8,18 +8,27 @@ log keeps the traceback):
 - ``StoreUnavailable``             -> UNAVAILABLE
 - ``Unsupported``                  -> UNSUPPORTED
 - anything else                    -> INTERNAL ("internal error; see the server log")
+
+Device tensors: ``get_array`` copies an input that Triton left on a GPU to the host (a step that
+works on numpy); ``get_tensor`` keeps it there as a torch tensor (DLPack, no copy). ``tensor`` makes
+an output from numpy or from a torch tensor: on a GPU through DLPack (no host copy), on the CPU as
+numpy (one copy into Triton's memory either way). ``instance_device(args)`` is the model instance's
+device (``KIND_GPU``: ``cuda:<model_instance_device_id>``, else the CPU).
 """
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..errors import BadRequest, StoreUnavailable, Unsupported
 from ..settings import TRITON_OWN_PARAMETERS
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kvcodec.triton")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -33,26 +42,55 @@ def model_parameters(args: Dict[str, str]) -> Dict[str, str]:
             if k not in TRITON_OWN_PARAMETERS}
 
 
+def instance_device(args: Dict[str, str]) -> "torch.device":
+    """This model instance's device: ``cuda:<model_instance_device_id>`` for a GPU instance
+    (``model_instance_kind`` ``GPU``, or ``KIND_GPU``), else the CPU."""
+    import torch
+
+    kind = str(args.get("model_instance_kind", "")).upper()
+    if kind in ("GPU", "KIND_GPU"):
+        return torch.device("cuda", int(args.get("model_instance_device_id") or 0))
+    return torch.device("cpu")
+
+
 def get_array(request, name: str, dtype, ndim: Optional[int] = None, required: bool = True) -> Optional[np.ndarray]:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    tensor = _input(request, name, required)
     if tensor is None:
-        if required:
-            raise BadRequest(f"input {name!r} is missing")
         return None
-    array = tensor.as_numpy() if tensor.is_cpu() else _to_host(tensor)
-    if dtype is not None and array.dtype != np.dtype(dtype):
-        raise BadRequest(f"input {name!r} must be {np.dtype(dtype).name}, got {array.dtype.name}")
-    if ndim is not None and array.ndim != ndim:
-        raise BadRequest(f"input {name!r} must have {ndim} dimension(s), got shape {list(array.shape)}")
+    array = tensor.as_numpy() if tensor.is_cpu() else _on_device(tensor).cpu().numpy()
+    _check(name, array, dtype, ndim)
     return array
 
 
-def _to_host(tensor) -> np.ndarray:
-    """A tensor Triton left on a GPU (``FORCE_CPU_ONLY_INPUT_TENSORS: "no"``), copied to the host
-    for a step that works on numpy (DLPack: no copy until here)."""
+def get_tensor(request, name: str, dtype, ndim: Optional[int] = None) -> Union[np.ndarray, "torch.Tensor"]:
+    """Input ``name`` where Triton put it: numpy in host memory, or a torch tensor on the GPU that
+    holds it (``FORCE_CPU_ONLY_INPUT_TENSORS: "no"``; DLPack: no copy)."""
+    tensor = _input(request, name, True)
+    value = tensor.as_numpy() if tensor.is_cpu() else _on_device(tensor)
+    _check(name, value, dtype, ndim)
+    return value
+
+
+def _input(request, name: str, required: bool):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None and required:
+        raise BadRequest(f"input {name!r} is missing")
+    return tensor
+
+
+def _on_device(tensor) -> "torch.Tensor":
+    """A tensor Triton left on a GPU, as a torch tensor there (DLPack: no copy)."""
     import torch.utils.dlpack
 
-    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack()).cpu().numpy()
+    return torch.utils.dlpack.from_dlpack(tensor.to_dlpack())
+
+
+def _check(name: str, value, dtype, ndim: Optional[int]) -> None:
+    got = np.dtype(value.dtype).name if isinstance(value, np.ndarray) else str(value.dtype).replace("torch.", "")
+    if dtype is not None and got != np.dtype(dtype).name:
+        raise BadRequest(f"input {name!r} must be {np.dtype(dtype).name}, got {got}")
+    if ndim is not None and value.ndim != ndim:
+        raise BadRequest(f"input {name!r} must have {ndim} dimension(s), got shape {list(value.shape)}")
 
 
 def get_text(request, name: str) -> bytes:
@@ -71,7 +109,26 @@ def get_scalar(request, name: str, dtype) -> Any:
 
 
 def tensor(name: str, value) -> "pb_utils.Tensor":
-    return pb_utils.Tensor(name, np.ascontiguousarray(value))
+    """An output tensor from numpy, or from a torch tensor: a GPU one through DLPack (C-contiguous,
+    as the python backend requires; no host copy), a CPU one as numpy (its own memory)."""
+    if isinstance(value, np.ndarray):
+        return pb_utils.Tensor(name, np.ascontiguousarray(value))
+    if value.device.type == "cpu":
+        return pb_utils.Tensor(name, np.ascontiguousarray(value.numpy()))
+    return pb_utils.Tensor.from_dlpack(name, _c_order(value))
+
+
+def _c_order(t: "torch.Tensor") -> "torch.Tensor":
+    """``t`` with the exact C-order strides the python backend checks (size-1 dimensions too, which
+    torch's ``contiguous()`` leaves as they are): a copy only when they differ."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if stride != expected:
+            import torch
+
+            return t.clone(memory_format=torch.contiguous_format)
+        expected *= size
+    return t
 
 
 def passthrough(request, *names: str) -> list:

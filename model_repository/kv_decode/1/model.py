@@ -2,28 +2,60 @@
 
 Planes leave as ``planes8`` (uint8) or ``planes16`` (uint16, 10-bit layouts), the other one
 empty; the header (checked once here) as JSON in ``chunk_header``, the side sections in ``side``.
+
+The HEVC decoder is made once, in ``initialize``, on the instance's device (``KIND_GPU``: the GPU
+``model_instance_device_id``, NVDEC's output kept in device memory; else the CPU), and self-tested
+there on the reference stream of every stream profile (``kvcodec.bitstream.selftest``; the result
+goes to the server log). On a GPU, planes of a verified decoder leave through DLPack, never
+copied to the host (``kvcodec.serving.decode`` says which planes skip the host digest).
 """
+import json
+import logging
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from kvcodec.bitstream.selftest import PROFILES
 from kvcodec.engines import model_card
 from kvcodec.format.auth import load_auth
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.decode import DecodeStep
 from kvcodec.serving.restore import descriptor
 from kvcodec.settings import Settings
-from kvcodec.triton import error_response, get_array, get_text, model_parameters, passthrough, tensor, text_tensor
+from kvcodec.triton import (
+    error_response,
+    get_array,
+    get_text,
+    instance_device,
+    model_parameters,
+    passthrough,
+    tensor,
+    text_tensor,
+)
 
 EMPTY8 = np.zeros((0, 0, 0), np.uint8)
 EMPTY16 = np.zeros((0, 0, 0), np.uint16)
+log = logging.getLogger("kvcodec.kv_decode")
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.settings = Settings.load(model_parameters(args))
         card = model_card(self.settings)  # the model's identity only: nothing is loaded or converted
+        device = instance_device(args)
+        on_gpu = device.type == "cuda"
         self.step = DecodeStep(card.model_id, auth=load_auth(self.settings.key_file), decoder=self.settings.decoder,
-                               threads=max(1, self.settings.threads), geometry=card.geometry(self.settings.chunk_tokens))
+                               threads=max(1, self.settings.threads), geometry=card.geometry(self.settings.chunk_tokens),
+                               selftest=True, gpu_id=device.index if on_gpu else 0, device_output=on_gpu)
+        decoder = self.step.decoder
+        message = (f"kv_decode on {device}: decoder {self.settings.decoder} self-test: "
+                   f"{json.dumps(decoder.selftest_results, sort_keys=True)}")
+        passed = decoder.verified_profiles == set(PROFILES)
+        logger = getattr(pb_utils, "Logger", None)  # the python backend's logger: the server log
+        if logger is not None:
+            (logger.log_info if passed else logger.log_warn)(message)
+        elif not passed:
+            log.warning(message)
 
     def execute(self, requests):
         responses = []
@@ -32,7 +64,7 @@ class TritonPythonModel:
                 info = ChunkInfo.from_json(get_text(request, "chunk_info"))
                 decoded = self.step.run(info, get_array(request, "chunk", np.uint8))  # no copy of the chunk
                 header, side = descriptor(decoded)
-                wide = decoded.planes.dtype == np.uint16
+                wide = decoded.planes.itemsize == 2  # numpy, or a torch tensor on the GPU (DLPack out)
                 responses.append(pb_utils.InferenceResponse(passthrough(request, "input_ids", "max_tokens") + [
                     tensor("planes8", EMPTY8 if wide else decoded.planes),
                     tensor("planes16", decoded.planes if wide else EMPTY16),
