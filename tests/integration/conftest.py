@@ -5,6 +5,7 @@ the store and logs live in a temporary folder. Texts come from the Python standa
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from kvcodec.engines import model_card
 from kvcodec.engines.model_files import ensure_model
 from kvcodec.engines.tokenizer import Tokenizer
+from kvcodec.format.codecs import get_scheme
+from kvcodec.format.keys import chunk_keys
 from kvcodec.settings import Settings
 from perf.ports import free_ports  # noqa: F401  (test_serve imports it from here)
 from perf.texts import cut_to_tokens, stdlib_text
@@ -61,6 +65,24 @@ def cli(settings, *args: str, timeout: float = 600) -> subprocess.CompletedProce
     proc = subprocess.run([KVCODEC, args[0], *common, *args[1:]], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"kvcodec {args[0]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
     return proc
+
+
+def chunk_path(settings, ids, index, codec="lossless8") -> Path:
+    """Where the file store holds chunk ``index`` of ``ids`` at ``codec`` for the settings' engine."""
+    card = model_card(settings)
+    key = chunk_keys(ids, card.model_id, get_scheme(codec).for_card(card).identity, settings.chunk_tokens)[index]
+    return Path(settings.store.removeprefix("file://")) / f"{key}.kvc"
+
+
+@contextlib.contextmanager
+def replaced(path: Path, data: bytes):
+    """The stored chunk at ``path`` holds ``data`` inside the block, its own bytes after it."""
+    original = path.read_bytes()
+    path.write_bytes(data)
+    try:
+        yield
+    finally:
+        path.write_bytes(original)
 
 
 def text_of(tokenizer, source: str, tokens: int) -> str:

@@ -2,24 +2,19 @@
 Triton's generate_stream endpoint: reuse gives full prefill's tokens, and every fault falls back."""
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvcodec.engines import model_card
 from kvcodec.format import container
 from kvcodec.format.auth import ChunkAuth, load_auth
-from kvcodec.format.codecs import get_scheme
-from kvcodec.format.keys import chunk_keys
 from kvcodec_client import ClientError, KVCodecClient
 
-from .conftest import cli, ingest_text, text_of
+from .conftest import chunk_path, cli, ingest_text, replaced, text_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -79,23 +74,6 @@ def test_unseen_prompt_is_full_prefill(grpc, tokenizer):
     assert result.tokens == grpc.generate(ids, 4, reuse=False).tokens
 
 
-def _chunk_path(settings, ids, index, codec="lossless8") -> Path:
-    card = model_card(settings)
-    key = chunk_keys(ids, card.model_id, get_scheme(codec).for_card(card).identity, settings.chunk_tokens)[index]
-    return Path(settings.store.removeprefix("file://")) / f"{key}.kvc"
-
-
-@contextlib.contextmanager
-def replaced(path: Path, data: bytes):
-    """The stored chunk at ``path`` holds ``data`` inside the block, its own bytes after it."""
-    original = path.read_bytes()
-    path.write_bytes(data)
-    try:
-        yield
-    finally:
-        path.write_bytes(original)
-
-
 @pytest.fixture(scope="module")
 def context_b(settings, tokenizer, grpc, tmp_path_factory):
     text = text_of(tokenizer, "fnmatch.py", 800)
@@ -107,7 +85,7 @@ def context_b(settings, tokenizer, grpc, tmp_path_factory):
 
 def test_corrupt_chunk_is_a_miss_from_there_on(settings, grpc, context_b):
     ids, prefill = context_b
-    path = _chunk_path(settings, ids, 1)
+    path = chunk_path(settings, ids, 1)
     damaged = bytearray(path.read_bytes())
     damaged[len(damaged) // 2] ^= 0x40
     with replaced(path, bytes(damaged)):
@@ -121,7 +99,7 @@ def test_corrupt_chunk_is_a_miss_from_there_on(settings, grpc, context_b):
 
 def test_chunk_under_the_wrong_key_is_never_used(settings, grpc, context_b):
     ids, prefill = context_b
-    with replaced(_chunk_path(settings, ids, 1), _chunk_path(settings, ids, 0).read_bytes()):
+    with replaced(chunk_path(settings, ids, 1), chunk_path(settings, ids, 0).read_bytes()):
         result = grpc.generate(ids, MAX_TOKENS, reuse=True)
     assert result.reused_tokens == 256
     assert "chunk 1: foreign" in result.stats["miss_reason"]
@@ -133,9 +111,9 @@ def test_kv_poisoning_with_valid_checksums_is_never_used(settings, grpc, context
     header (model, key, codec), other KV, every checksum valid, signed with a key of its own. The
     server reads it as foreign and answers with its own prefill."""
     ids, prefill = context_b
-    path = _chunk_path(settings, ids, 1)
+    path = chunk_path(settings, ids, 1)
     mine = container.parse(path.read_bytes(), load_auth(settings.key_file))
-    other = container.parse(_chunk_path(settings, ids, 0).read_bytes(), load_auth(settings.key_file))
+    other = container.parse(chunk_path(settings, ids, 0).read_bytes(), load_auth(settings.key_file))
     forged = container.Container(dict(mine.header), dict(other.sections)).to_bytes(ChunkAuth.random())
     with replaced(path, forged):
         result = grpc.generate(ids, MAX_TOKENS, reuse=True)
@@ -150,7 +128,7 @@ def test_raw_reuse_is_the_engines_own_kv_and_gives_prefill_tokens(settings, toke
     text = text_of(tokenizer, "shlex.py", 540)
     ingest_text(settings, tmp_path, text, codec="raw")
     ids = tokenizer.encode(text + QUESTION)
-    header = container.parse(_chunk_path(settings, ids, 0, "raw").read_bytes(), load_auth(settings.key_file)).header
+    header = container.parse(chunk_path(settings, ids, 0, "raw").read_bytes(), load_auth(settings.key_file)).header
     assert header["layout"] == "native" and header["layout_params"] == {"dtype": "float32"}
     prefill = grpc.generate(ids, 2 * MAX_TOKENS, reuse=False)
     result = grpc.generate(ids, 2 * MAX_TOKENS, reuse=True)

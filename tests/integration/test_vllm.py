@@ -6,7 +6,6 @@ there (``make test-vllm``). One server for the module; short prompts where lengt
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,17 +15,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
 
-from kvcodec.engines import model_card  # noqa: E402
 from kvcodec.format import container  # noqa: E402
 from kvcodec.format.auth import ChunkAuth, load_auth  # noqa: E402
-from kvcodec.format.codecs import get_scheme  # noqa: E402
-from kvcodec.format.keys import chunk_keys  # noqa: E402
 from kvcodec.settings import Settings  # noqa: E402
 from kvcodec_client import KVCodecClient  # noqa: E402
 from perf.ports import free_ports  # noqa: E402
 from perf.tritonserver import Ports, TritonServer  # noqa: E402
 
-from .conftest import REPO, cli, text_of  # noqa: E402
+from .conftest import REPO, chunk_path, cli, replaced, text_of  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -66,22 +62,6 @@ def ingest(vsettings, tmp_path: Path, text: str, codec: str) -> dict:
     path.write_text(text)
     return json.loads(cli(vsettings, "ingest", "--engine", "vllm", "--text-file", str(path), "--codec", codec,
                           "--json", "--quiet").stdout)
-
-
-def chunk_path(vsettings, ids, index, codec) -> Path:
-    card = model_card(vsettings)
-    key = chunk_keys(ids, card.model_id, get_scheme(codec).for_card(card).identity, vsettings.chunk_tokens)[index]
-    return Path(vsettings.store.removeprefix("file://")) / f"{key}.kvc"
-
-
-@contextlib.contextmanager
-def replaced(path: Path, data: bytes):
-    original = path.read_bytes()
-    path.write_bytes(data)
-    try:
-        yield
-    finally:
-        path.write_bytes(original)
 
 
 @pytest.fixture(scope="module")

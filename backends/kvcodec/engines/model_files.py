@@ -65,6 +65,20 @@ def card(cache_dir: os.PathLike) -> ModelCard:
                      **_SHAPE)
 
 
+class EngineFiles:
+    """``prepare`` and ``tokenizer`` of the engine contract, for an engine that runs these files."""
+
+    @classmethod
+    def prepare(cls, settings) -> None:
+        ensure_model(settings.model_cache)
+
+    @classmethod
+    def tokenizer(cls, settings):
+        from .tokenizer import Tokenizer
+
+        return Tokenizer(ensure_model(settings.model_cache))
+
+
 def check_config(config: dict) -> None:
     """Raise ``Unsupported`` if the converted model's config is not the shape the card says."""
     heads = int(config["num_attention_heads"])

@@ -22,22 +22,12 @@ from .model_files import ModelFiles
 from .tokenizer import IncrementalDetokenizer
 
 
-class TransformersEngine:
+class TransformersEngine(model_files.EngineFiles):
     max_concurrency = 1  # one request at a time (a dense cache per request, no batching)
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:
         return model_files.card(settings.model_cache)
-
-    @classmethod
-    def prepare(cls, settings) -> None:
-        model_files.ensure_model(settings.model_cache)
-
-    @classmethod
-    def tokenizer(cls, settings):
-        from .tokenizer import Tokenizer
-
-        return Tokenizer(model_files.ensure_model(settings.model_cache))
 
     @classmethod
     def from_settings(cls, settings, device: str = "cpu") -> "TransformersEngine":

@@ -77,7 +77,7 @@ def _device_dtype() -> str:
     return "float16" if torch.cuda.is_available() else "float32"
 
 
-class VllmEngine:
+class VllmEngine(model_files.EngineFiles):
     max_concurrency = 32  # requests in flight; vLLM's scheduler batches them (and queues past its KV space)
 
     @classmethod
@@ -86,16 +86,6 @@ class VllmEngine:
         dtype = _device_dtype()
         return replace(base, model_id=f"{base.model_id}/vllm-{dtype}", kv_dtype=dtype,
                        max_context=min(base.max_context, MAX_MODEL_LEN))
-
-    @classmethod
-    def prepare(cls, settings) -> None:
-        model_files.ensure_model(settings.model_cache)
-
-    @classmethod
-    def tokenizer(cls, settings):
-        from .tokenizer import Tokenizer
-
-        return Tokenizer(model_files.ensure_model(settings.model_cache))
 
     @classmethod
     def from_settings(cls, settings) -> "VllmEngine":
