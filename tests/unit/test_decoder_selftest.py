@@ -11,7 +11,6 @@ import hashlib
 import json
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.decode import ChunkDecoder, DecodeStep
 
 from .conftest import AUTH, on_tiny_profile, synthetic_kv
+from .fake_triton import exec_step, load_step
 
 MODEL = "org/tiny@abc123"
 KEY = "aaaa/bbbb/0123456789abcdef"
@@ -456,25 +456,9 @@ def test_nvdec_device_output_without_cuda_is_unsupported(monkeypatch):
 @pytest.fixture
 def kv_decode(monkeypatch, tmp_path):
     """kv_decode's model.py on a stand-in ``triton_python_backend_utils`` (Logger records)."""
-    import importlib.util
-
-    fake = types.ModuleType("triton_python_backend_utils")
-    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    fake.logged = []
-    fake.Logger = types.SimpleNamespace(log_info=lambda m: fake.logged.append(("info", m)),
-                                        log_warn=lambda m: fake.logged.append(("warn", m)))
-    fake.Tensor = lambda name, value: types.SimpleNamespace(name=name, value=value)
-    fake.InferenceResponse = lambda tensors=None, output_tensors=None, error=None: types.SimpleNamespace(
-        tensors={t.name: t for t in (tensors if tensors is not None else output_tensors) if t is not None}, error=error)
-    fake.TritonError = lambda message, code=None: types.SimpleNamespace(message=message, code=code)
-    fake.get_input_tensor_by_name = lambda request, name: request.get(name)
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    monkeypatch.delitem(sys.modules, "kvcodec.triton", raising=False)
     monkeypatch.setenv("KVCODEC_CHUNK_KEY", bytes(range(32)).hex())  # the tests' AUTH
-    path = Path(__file__).resolve().parents[2] / "model_repository" / "kv_decode" / "1" / "model.py"
-    spec = importlib.util.spec_from_file_location("kv_decode_model", path)
-    fake.model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fake.model)
+    fake = load_step(monkeypatch, "kv_decode")
+    exec_step(fake)
     monkeypatch.setattr(fake.model, "model_card", lambda settings: types.SimpleNamespace(
         model_id=MODEL, geometry=lambda tokens: None))
     monkeypatch.setitem(DECODERS._targets, "nvdec", f"{HERE}:DeviceDecoder")

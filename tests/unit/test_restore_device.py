@@ -353,24 +353,12 @@ class FakeTensor:
 def pb_utils(monkeypatch):
     """A ``triton_python_backend_utils`` module stand-in; ``kvcodec.triton`` and kv_restore's model.py
     imported against it (and forgotten afterwards)."""
-    import importlib.util
     import sys
-    import types
-    from pathlib import Path
 
-    fake = types.ModuleType("triton_python_backend_utils")
-    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    fake.Tensor = FakeTensor
-    fake.InferenceResponse = lambda tensors=None, output_tensors=None, error=None: types.SimpleNamespace(
-        tensors={t.name: t for t in (tensors if tensors is not None else output_tensors) if t is not None}, error=error)
-    fake.TritonError = lambda message, code=None: types.SimpleNamespace(message=message, code=code)
-    fake.get_input_tensor_by_name = lambda request, name: request.get(name)
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    monkeypatch.delitem(sys.modules, "kvcodec.triton", raising=False)
-    path = Path(__file__).resolve().parents[2] / "model_repository" / "kv_restore" / "1" / "model.py"
-    spec = importlib.util.spec_from_file_location("kv_restore_model", path)
-    fake.model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fake.model)
+    from .fake_triton import exec_step, load_step
+
+    fake = load_step(monkeypatch, "kv_restore", tensor=FakeTensor)
+    exec_step(fake)
     yield fake
     sys.modules.pop("kvcodec.triton", None)
 
