@@ -155,11 +155,13 @@ def check_env(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
         import PyNvVideoCodec as nvc
 
         out["pynvvideocodec"] = {"version": getattr(nvc, "__version__", "?"), "file": nvc.__file__}
-        caps = {}
+        from kvcodec.bitstream.nvdec import chroma_420
+
+        caps = {"chroma_members": sorted(str(n) for n in getattr(nvc.cudaVideoChromaFormat, "__members__", {}))}
         for depth in (8, 10):
             try:
                 caps[f"hevc_420_{depth}bit"] = {k: v for k, v in dict(nvc.GetDecoderCaps(
-                    gpuid=0, codec=nvc.cudaVideoCodec.HEVC, chromaformat=nvc.cudaVideoChromaFormat.YUV420,
+                    gpuid=0, codec=nvc.cudaVideoCodec.HEVC, chromaformat=chroma_420(nvc),
                     bitdepth=depth)).items() if isinstance(v, (int, float, str, bool))}
             except Exception as exc:  # reported, not fatal: the decode checks say whether NVDEC works
                 caps[f"hevc_420_{depth}bit"] = _reason(exc)

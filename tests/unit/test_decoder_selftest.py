@@ -7,6 +7,7 @@ place of the GPU), and kv_decode's ``initialize`` on a stand-in ``triton_python_
 from __future__ import annotations
 
 import ctypes
+import enum
 import hashlib
 import json
 import sys
@@ -340,11 +341,14 @@ class FakeNvc(types.ModuleType):
     def __init__(self, p016_as_bytes: bool = False) -> None:
         super().__init__("PyNvVideoCodec")
         self.cudaVideoCodec = types.SimpleNamespace(HEVC="hevc")
-        self.cudaVideoChromaFormat = types.SimpleNamespace(YUV420="420")
+        # 2.2.4 has no YUV420 here (seen on the H200); the member is found by its name's "420"
+        self.cudaVideoChromaFormat = enum.IntEnum("cudaVideoChromaFormat",
+                                                  {"Monochrome": 0, "_420": 1, "_422": 2, "_444": 3})
         self.created = []
         self.p016_as_bytes = p016_as_bytes
 
-    def GetDecoderCaps(self, **_):
+    def GetDecoderCaps(self, chromaformat, **_):
+        assert chromaformat is self.cudaVideoChromaFormat["_420"]
         return {"width_min": 144, "height_min": 144, "width_max": 8192, "height_max": 8192}
 
     class PacketData:
@@ -426,6 +430,7 @@ def test_nvdec_device_output_creates_its_session_in_device_memory_and_passes_the
     assert dec.device_output and fake_nvc.created[-1] == {
         "gpuid": 2, "codec": "hevc", "cudacontext": 0xC0, "cudastream": 0x5E, "usedevicememory": True,
         "maxwidth": 2048, "maxheight": 2048}
+    assert dec._limits["width_max"] == 8192  # the caps query found the 4:2:0 member
     results = selftest.verify(dec)
     assert all(r["ok"] for r in results.values()), results
     data = (selftest.REFERENCE_DIR / "video.hevc").read_bytes()

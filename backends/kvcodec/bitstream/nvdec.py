@@ -51,6 +51,18 @@ from ..errors import CorruptChunk, Unsupported
 _DEFAULT_MAX = 2048
 
 
+def chroma_420(nvc: Any) -> Any:
+    """PyNvVideoCodec's member of cudaVideoChromaFormat for 4:2:0. 2.2.4 has no ``YUV420`` there
+    (seen on the H200: AttributeError); its names are not in the binding's strings, so the member
+    is found by name among the enum's members."""
+    enum = nvc.cudaVideoChromaFormat
+    for name, member in getattr(enum, "__members__", {}).items():
+        if "420" in str(name):
+            return member
+    raise AttributeError("cudaVideoChromaFormat has no 4:2:0 member: "
+                         f"{sorted(getattr(enum, '__members__', {}))}")
+
+
 def _reason(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
@@ -88,7 +100,7 @@ class NvdecDecoder:
             # GetDecoderCaps(gpuid=, codec=, chromaformat=, bitdepth=) -> dict with width_min,
             # height_min, width_max, height_max: samples/advanced/decode.py and key names in the .so.
             self._limits = dict(nvc.GetDecoderCaps(gpuid=self._gpu_id, codec=nvc.cudaVideoCodec.HEVC,
-                                                   chromaformat=nvc.cudaVideoChromaFormat.YUV420, bitdepth=8))
+                                                   chromaformat=chroma_420(nvc), bitdepth=8))
         except Exception:  # only used for a clearer error on sizes NVDEC cannot take
             self._limits = None
 
