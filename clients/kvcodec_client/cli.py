@@ -7,6 +7,7 @@ the product library is ``kvcodec``; serving, benchmarks and the quality harness 
     kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
     kvcodec eval     --text-file F --prefix-tokens P --continuation-tokens C --codec NAME [--quality Q] [--json]
     kvcodec rd       [--json perf/results/rd.json --plot perf/results/rd.png] (every codec over the eval set)
+    kvcodec eval-task --task passkey --codec RUNG[,RUNG...] --samples N --context-tokens T [--json] [--out FILE]
     kvcodec profile fit [--out backends/kvcodec/profiles/smollm2-135m-v1.npz] [--tokens 2048]
     kvcodec demo     [--json perf/results/demo.json]
     kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
@@ -201,6 +202,32 @@ def cmd_rd(args) -> int:
                       decode_threads=args.decode_threads, texts=args.texts, chunk_tokens=settings.chunk_tokens,
                       model_cache=str(settings.model_cache), engine=settings.engine)
     return run_rd(config, Path(args.json), Path(args.plot) if args.plot else None)
+
+
+def cmd_eval_task(args) -> int:
+    from kvcodec.engines import open_engine
+    from perf.quality.task import TaskConfig, run_task
+
+    settings = _settings(args)
+    config = TaskConfig(task=args.task, codecs=args.codec, samples=args.samples, context_tokens=args.context_tokens,
+                        seed=args.seed, chunk_tokens=settings.chunk_tokens, threads=settings.threads or 1,
+                        answer_tokens=args.answer_tokens)
+    result = run_task(open_engine(settings), config)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        lo, hi = result["prefill_interval95"]
+        print(f"{result['task']}, {result['samples']} samples, {result['context_tokens']} context tokens: prefill "
+              f"{result['accuracy_prefill']:.3f} (95% {lo:.3f}-{hi:.3f}); {result['seconds']:.0f} s, "
+              f"{result['memo']['encodes_saved_share']:.0%} of chunk encodes saved")
+        for spec, r in result["codecs"].items():
+            print(f"  {spec}: {r['accuracy_codec']:.3f} at {r['ratio_vs_fp16']:.2f}x vs fp16, "
+                  f"{'lossless' if r['lossless_in_accuracy'] else 'NOT lossless'} in accuracy")
+    return 0
 
 
 def cmd_profile_fit(args) -> int:
@@ -415,6 +442,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "rd.json"))
     p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "rd.png"))
     p.set_defaults(func=cmd_rd)
+
+    p = sub.add_parser("eval-task", help="task accuracy (passkey retrieval) with prefill's KV and each rung's; "
+                                         "lossless in accuracy: inside prefill's 95% interval")
+    common(p)
+    p.add_argument("--task", default="passkey", help="the task (passkey)")
+    p.add_argument("--codec", type=_list(str), default=["video"],
+                   help="a rung spec NAME[:QUALITY], or a comma list of them (prefill is computed once for all)")
+    p.add_argument("--samples", type=int, default=100)
+    p.add_argument("--context-tokens", type=int, default=1024,
+                   help="tokens of context; its whole chunks go through the codec")
+    p.add_argument("--seed", type=int, default=0, help="samples are reproducible from (task, seed, index)")
+    p.add_argument("--answer-tokens", type=int, help="greedy tokens of each answer (default: the task's)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--out", help="also write the result's JSON to this file")
+    p.set_defaults(func=cmd_eval_task)
 
     p = sub.add_parser("profile", help="codec profiles (the per-model transform of transform-zstd)")
     prof = p.add_subparsers(dest="profile", required=True)
