@@ -70,6 +70,11 @@ def test_every_scheme_restores_float16_kv_of_the_right_shape(name, chunk_kv, enc
         norms = np.linalg.norm(err.transpose(0, 1, 3, 2, 4).reshape(g.layers, 2, g.tokens, -1), axis=-1)
         bound = np.sqrt(g.kv_heads * g.head_dim) * layout.steps(layout.profile) / 2 * 1.05 + 0.05
         assert (norms <= bound[:, :, None]).all(), f"{name}: error {norms.max():.4f} too large"
+    elif SCHEMES[name].layout == "kvtc":
+        # its bits go to the components the tiny profile was fitted to hold the data; this random KV
+        # is not that data, so only: nearer than zeros are (quality on fitted data: test_kvtc.py)
+        rel = np.sqrt((err ** 2).mean() / (chunk_kv.astype(np.float32) ** 2).mean())
+        assert rel < 0.95, f"{name}: relative RMS error {rel:.3f}"
     elif SCHEMES[name].layout == "pca10":  # lossy HEVC on the coefficients: an error budget, not a bound
         rel = np.sqrt((err ** 2).mean() / (chunk_kv.astype(np.float32) ** 2).mean())
         assert rel < 0.1, f"{name}: relative RMS error {rel:.3f}"
@@ -319,7 +324,7 @@ def test_quality_on_a_scheme_without_one_raises(name):
 
 
 def test_unknown_codec_name_raises_config_error():
-    with pytest.raises(ConfigError, match="'h266'.*cachegen, int8-zstd, lossless8, nlevel-zstd, raw, transform-zstd, video"):
+    with pytest.raises(ConfigError, match="'h266'.*cachegen, int8-zstd, kvtc, lossless8, nlevel-zstd, raw, transform-zstd, video"):
         get_scheme("h266")
 
 

@@ -27,8 +27,8 @@ def _steps(side, g: Geometry):
 
 
 def test_registry_lists_every_layout():
-    assert LAYOUTS.names() == ["cg", "native", "pca", "pca10", "q8", "qn"]
-    with pytest.raises(Unsupported, match="cg, native, pca, pca10, q8, qn"):
+    assert LAYOUTS.names() == ["cg", "kvtc", "native", "pca", "pca10", "q8", "qn"]
+    with pytest.raises(Unsupported, match="cg, kvtc, native, pca, pca10, q8, qn"):
         get_layout("q4")
 
 

@@ -89,7 +89,7 @@ class Scheme:
         return f"{self.name}/v{self.version}/{layout}/{self.codec}{params}"
 
 
-PROFILE_LAYOUTS = frozenset({"pca", "pca10"})
+PROFILE_LAYOUTS = frozenset({"pca", "pca10", "kvtc"})
 KV_DTYPE_LAYOUTS = frozenset({"native"})
 BOUND_PARAMS = ("profile", "dtype")  # layout parameters bound from the model card, not set by quality
 
@@ -115,6 +115,9 @@ SCHEMES: Dict[str, Scheme] = {
                              quality_in="layout"),
     "cachegen": Scheme("cachegen", layout="cg", codec="ans", layout_params={"bins": 32}, quality_param="bins",
                        quality_in="layout"),
+    "kvtc": Scheme("kvtc", layout="kvtc", codec="zstd", codec_params={"level": 19},
+                   layout_params={"bits": 150, "sink": 4, "recent": 0}, quality_param="bits", quality_in="layout",
+                   baseline_only=True),
 }
 
 

@@ -61,6 +61,7 @@ LAYOUTS.register("qn", "kvcodec.layout.nlevel:PerChannelN")
 LAYOUTS.register("cg", "kvcodec.layout.cachegen:CacheGenQuant")
 LAYOUTS.register("pca", "kvcodec.layout.transform:PcaUniform")
 LAYOUTS.register("pca10", "kvcodec.layout.transform:PcaVideo")
+LAYOUTS.register("kvtc", "kvcodec.layout.kvtc:KvtcLayout")
 
 
 def get_layout(name: str, **params) -> Layout:

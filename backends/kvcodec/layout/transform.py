@@ -31,6 +31,7 @@ from ..format.geometry import Geometry
 from ..profiles import Profile, load_profile
 from ..profiles.rope import _cos_sin, unrope
 from . import Layout
+from .allocation import MAX_BITS, allocation
 from .tensors import NUMPY_OF, Cached, Planes, as_tensor, check_planes, empty, side_tensor
 
 LIMIT = 32767
@@ -51,16 +52,23 @@ class PcaUniform(Layout):
     version = 1
     needs_positions = True
 
-    def __init__(self, profile: Optional[str] = None, step: int = 160, kv_balance: float = 2.0) -> None:
+    def __init__(self, profile: Optional[str] = None, step: int = 160, kv_balance: float = 2.0,
+                 weighted: int = 0, alloc: int = 0) -> None:
         step = int(step)
         if not 1 <= step <= 10000:
             raise ConfigError(f"step must be 1..10000 (thousandths of the layer RMS), got {step}")
         kv_balance = float(kv_balance)
         if not 0.01 <= kv_balance <= 100:
             raise ConfigError(f"kv_balance must be 0.01..100, got {kv_balance}")
+        if int(weighted) not in (0, 1):
+            raise ConfigError(f"weighted must be 0 or 1, got {weighted}")
+        if not 0 <= int(alloc) <= 100 * MAX_BITS:
+            raise ConfigError(f"alloc must be 0..{100 * MAX_BITS} (hundredths of a bit per coefficient), got {alloc}")
+        self.alloc = int(alloc)
         self.profile_name = profile
         self.step = step
         self.kv_balance = kv_balance
+        self.weighted = int(weighted)
         self._profile = None
 
     @property
@@ -76,12 +84,40 @@ class PcaUniform(Layout):
         if not p.fits(g.layers, g.kv_heads, g.head_dim):
             raise ConfigError(f"codec profile {p.name} is for {p.layers} layers x {p.kv_heads} heads x {p.head_dim}, "
                               f"not this model's {g.layers} x {g.kv_heads} x {g.head_dim}")
+        if self.weighted and p.weight is None:
+            raise ConfigError(f"codec profile {p.name} has no component weights; a weighted layout needs them")
         return p
+
+    def factors(self, p: Profile) -> np.ndarray:
+        """Each component's step relative to its (layer, K|V)'s: float32 ``[layers, 2, C]``. Ones by
+        default; ``weighted``: ``1 / sqrt(weight)`` (reverse water-filling on the weighted error: the
+        components where the model looks get the finer steps); ``alloc``: the steps of a bit
+        allocation of ``alloc / 100`` bits per coefficient (``allocation``, weighted or not) over
+        their geometric mean, and 0 for a component given no bits (dropped: restored as the mean)."""
+        if self.alloc:
+            step = allocation(p, self.alloc, bool(self.weighted)).step.astype(np.float64)
+            kept = step > 0
+            scale = np.exp(np.mean(np.log(step[kept]))) if kept.any() else 1.0
+            return (step / scale).astype(np.float32)
+        if not self.weighted:
+            return np.ones((p.layers, 2, p.channels), dtype=np.float32)
+        return (1.0 / np.sqrt(p.weight)).astype(np.float32)
+
+    def inverse(self, p: Profile, step: np.ndarray) -> np.ndarray:
+        """``1 / (step * factors)`` per component, ``[layers, 2, C]``; 0 where a component is dropped."""
+        full = step[:, :, None].astype(np.float64) * self.factors(p)
+        return np.where(full > 0, 1.0 / np.where(full > 0, full, 1.0), 0.0)
 
     def planes_shape(self, g: Geometry) -> Tuple[int, int, int]:
         return (g.layers * 2 * 2, g.kv_heads * g.head_dim, g.tokens)
 
     def steps(self, p: Profile) -> np.ndarray:
+        """The step of each (layer, K|V), float32 ``[layers, 2]``: ``step`` thousandths of its RMS with
+        the ``kv_balance`` split; ``weighted``: one step, ``step`` thousandths of the RMS over every
+        (layer, K|V), the weights doing the rest (``kv_balance`` unused)."""
+        if self.weighted or self.alloc:
+            rms = float(np.sqrt(np.mean(np.square(p.rms, dtype=np.float64))))
+            return np.full((p.layers, 2), rms * self.step / 1000.0, dtype=np.float32)
         split = np.array([np.sqrt(self.kv_balance), 1.0 / np.sqrt(self.kv_balance)], dtype=np.float64)
         return (p.rms * (self.step / 1000.0) * split[None, :]).astype(np.float32)
 
@@ -123,7 +159,7 @@ class PcaUniform(Layout):
     def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
         g, p, coeff = self.coefficients(kv, token_start)
         step = self.steps(p)
-        q = np.clip(np.rint(coeff / step[:, :, None, None]), -LIMIT, LIMIT)
+        q = np.clip(np.rint(coeff * self.inverse(p, step)[:, :, None, :]), -LIMIT, LIMIT)
         z = zigzag(q).transpose(0, 1, 3, 2).reshape(g.layers * 2, p.channels, g.tokens)  # coefficient-major
         planes = np.concatenate([(z & 0xFF).astype(np.uint8), (z >> 8).astype(np.uint8)])
         side = {"pca_profile": p.digest.encode(), "pca_step": step.tobytes()}
@@ -142,7 +178,7 @@ class PcaUniform(Layout):
         half = g.layers * 2
         z = t[:half].to(torch.int32).bitwise_or_(t[half:].to(torch.int32).bitwise_left_shift_(8))
         q = unzigzag_torch(z).reshape(g.layers, 2, p.channels, g.tokens)
-        basis = on.basis * side_tensor(step, device)[:, :, None, None]
+        basis = on.basis * side_tensor(step[:, :, None] * self.factors(p), device)[:, :, None, :]
         return self.restore_kv(q, basis, on.mean, p, g, token_start)
 
 
@@ -168,8 +204,8 @@ class PcaVideo(PcaUniform):
     HALF = 511
 
     def __init__(self, profile: Optional[str] = None, step: int = 40, kv_balance: float = 2.0,
-                 reorder: int = 0) -> None:
-        super().__init__(profile=profile, step=step, kv_balance=kv_balance)
+                 reorder: int = 0, weighted: int = 0, alloc: int = 0) -> None:
+        super().__init__(profile=profile, step=step, kv_balance=kv_balance, weighted=weighted, alloc=alloc)
         if int(reorder) not in (0, 1):
             raise ConfigError(f"reorder must be 0 or 1, got {reorder}")
         self.reorder = int(reorder)
@@ -180,7 +216,7 @@ class PcaVideo(PcaUniform):
     def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
         g, p, coeff = self.coefficients(kv, token_start)
         step = self.steps(p)
-        c = coeff.transpose(0, 1, 3, 2) / step[:, :, None, None]  # [L, 2, C, T], in fine steps
+        c = coeff.transpose(0, 1, 3, 2) * self.inverse(p, step)[..., None]  # [L, 2, C, T], in fine steps
         side = {"pca_profile": p.digest.encode(), "pca_step": step.tobytes()}
         if self.reorder:
             order = chain_order(c.reshape(-1, g.tokens).T)
@@ -203,7 +239,7 @@ class PcaVideo(PcaUniform):
         if int(shift.max(initial=0)) > 15:
             raise CorruptChunk("pca10 side data holds a shift above 15")
         inverse = self._inverse_order(side, g.tokens) if self.reorder else None
-        scale = step[:, :, None] * np.exp2(shift).astype(np.float32)  # [L, 2, C], host (a few kB)
+        scale = step[:, :, None] * self.factors(p) * np.exp2(shift).astype(np.float32)  # [L, 2, C], host
         on = on_device(p, device)
         q = as_tensor(planes, device).reshape(g.layers, 2, p.channels, g.tokens)
         if inverse is not None:  # the gather on 2-byte samples (as int16: uint16 has few kernels)

@@ -43,6 +43,9 @@ class Profile:
     variance: np.ndarray  # float32 [layers, 2, C]: each component's variance on the fit set
     rms: np.ndarray  # float32 [layers, 2]: RMS of the centred data
     digest: str  # blake2b of the file
+    # float32 [layers, 2, C] or None: how much an error on each component moves the model's output
+    # (``perf.quality.sensitivity``; geometric mean 1); weighted layouts step by 1 / sqrt(weight)
+    weight: Optional[np.ndarray] = None
 
     @property
     def channels(self) -> int:
@@ -86,15 +89,18 @@ def read_profile(path: Path, name: Optional[str] = None) -> Profile:
             basis = z["basis"].astype(np.float32)
             mean = z["mean"].astype(np.float32)
             variance = z["variance"].astype(np.float32)
+            weight = z["weight"].astype(np.float32) if "weight" in z.files else None
     except (KeyError, ValueError, OSError) as exc:
         raise ConfigError(f"codec profile {path} is not readable: {exc}") from None
     L, H, D = int(meta["layers"]), int(meta["kv_heads"]), int(meta["head_dim"])
     C = H * D
     if basis.shape != (L, 2, C, C) or mean.shape != (L, 2, C) or variance.shape != (L, 2, C):
         raise ConfigError(f"codec profile {path} has inconsistent shapes")
+    if weight is not None and (weight.shape != (L, 2, C) or not np.isfinite(weight).all() or weight.min() <= 0):
+        raise ConfigError(f"codec profile {path} has weights that are not positive [layers, 2, C] numbers")
     rms = np.sqrt(np.maximum(variance.mean(axis=-1), 1e-12)).astype(np.float32)
     return Profile(name or Path(path).stem, L, H, D, float(meta["rope_theta"]), mean, basis, variance, rms,
-                   hashlib.blake2b(data, digest_size=16).hexdigest())
+                   hashlib.blake2b(data, digest_size=16).hexdigest(), weight)
 
 
 def fit_profile(samples: Iterable[np.ndarray], rope_theta: float) -> Dict[str, np.ndarray]:
