@@ -9,6 +9,7 @@ the product library is ``kvcodec``; serving, benchmarks and the quality harness 
     kvcodec rd       [--json perf/results/rd.json --plot perf/results/rd.png] (every codec over the eval set)
     kvcodec eval-task --task passkey --codec RUNG[,RUNG...] --samples N --context-tokens T [--json] [--out FILE]
     kvcodec profile fit [--out backends/kvcodec/profiles/smollm2-135m-v1.npz] [--tokens 2048]
+    kvcodec profile weigh --base smollm2-135m-v1 --out backends/kvcodec/profiles/smollm2-135m-v2.npz
     kvcodec demo     [--json perf/results/demo.json]
     kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
     kvcodec bench concurrency [--engine E] --clients 1,4,8 --requests 4 [--json perf/results/concurrency.json]
@@ -234,6 +235,13 @@ def cmd_profile_fit(args) -> int:
     from perf.quality.fit import fit_codec_profile
 
     print(json.dumps(fit_codec_profile(_settings(args), args.tokens, Path(args.out) if args.out else None)))
+    return 0
+
+
+def cmd_profile_weigh(args) -> int:
+    from perf.quality.sensitivity import weigh_codec_profile
+
+    print(json.dumps(weigh_codec_profile(_settings(args), args.base, Path(args.out), args.exponent, args.texts)))
     return 0
 
 
@@ -465,6 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="default: backends/kvcodec/profiles/<the model card's profile>.npz")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of each fit text")
     p.set_defaults(func=cmd_profile_fit)
+    p = prof.add_parser("weigh", help="add sensitivity weights (where the model looks) to a fitted profile")
+    common(p)
+    p.add_argument("--base", required=True, help="the fitted profile to weigh (its name)")
+    p.add_argument("--out", required=True, help="the weighted profile's file (.npz)")
+    p.add_argument("--exponent", type=float, default=0.5, help="weights = (layer x component gain) ** this")
+    p.add_argument("--texts", type=int, default=3, help="fit texts to measure on")
+    p.set_defaults(func=cmd_profile_weigh)
 
     p = sub.add_parser("demo", help="ingest a text, compare TTFT with and without reuse, write JSON")
     common(p)
