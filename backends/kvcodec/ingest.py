@@ -5,12 +5,22 @@ adapt to the link); the context is prefilled once for all of them. Chunks alread
 not written again; when every chunk of every rung is there, prefill is skipped. Only full chunks
 are stored (the tail of a context is recomputed at request time). What it measures (bytes and
 decode time per rung, prefill time) goes to the cost model the serving fetcher reads.
+
+``workers`` chunk encoders run side by side (threads, each with its own encoders: x265, zstd and
+FFmpeg's decode release the GIL), over the chunks as prefill makes them, so that encoding overlaps
+prefill and the next chunks; results are stored and counted in chunk order, as with one worker.
+x265 alone keeps ~1.6 of 2 cores busy on a chunk (3 rows of wavefronts); two chunks at once fill
+both (``perf/results/README.md``, "Encode speed").
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from .encode import ChunkEncoder
 from .format.auth import ChunkAuth
@@ -50,11 +60,46 @@ class IngestReport:
         return self.fp16_bytes / self.bytes_written if self.bytes_written else 0.0
 
 
+def default_workers() -> int:
+    """Chunk encoders ingest runs side by side unless told: one per core this process may use, at
+    most 2 (measured on 2 cores; more would only share the same cores)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores))
+
+
+class _Encoders:
+    """One ``ChunkEncoder`` per scheme for each worker thread (an encoder holds a decoder and
+    records its last decode time: not shared between threads)."""
+
+    def __init__(self, schemes: Sequence[Scheme], model_id: str, auth: ChunkAuth, threads: int) -> None:
+        self._args = (list(schemes), model_id, auth, threads)
+        self._local = threading.local()
+
+    def get(self, identity: str) -> ChunkEncoder:
+        encoders = getattr(self._local, "encoders", None)
+        if encoders is None:
+            schemes, model_id, auth, threads = self._args
+            encoders = {s.identity: ChunkEncoder(s, model_id, auth=auth, threads=threads) for s in schemes}
+            self._local.encoders = encoders
+        return encoders[identity]
+
+    def encode(self, scheme: Scheme, kv, key: str, i: int, token_start: int) -> Tuple[bytes, float, float]:
+        """The chunk's bytes, the seconds encoding took and the seconds its check decode took."""
+        enc = self.get(scheme.identity)
+        t = time.perf_counter()
+        data = enc.encode(kv, key, i, token_start)
+        return data, time.perf_counter() - t, enc.last_decode_s
+
+
 def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Scheme, Sequence[Scheme]],
-           chunk_tokens: int, *, auth: ChunkAuth, threads: int = 1,
+           chunk_tokens: int, *, auth: ChunkAuth, threads: int = 1, workers: int = 1,
            progress: Optional[Callable[[int], None]] = None, costs: Optional[CostModel] = None) -> IngestReport:
     """Store every full chunk of ``token_ids`` for each scheme, signed with ``auth``; ``progress(n)``
-    is called as each chunk is done (all its rungs)."""
+    is called as each chunk is done (all its rungs). ``workers`` chunks are encoded at once (each
+    encoder with ``threads`` threads); ``encode_s`` then adds up the workers' seconds."""
     schemes: List[Scheme] = [scheme] if isinstance(scheme, Scheme) else list(scheme)
     keys = {s.identity: chunk_keys(token_ids, engine.model_id, s.identity, chunk_tokens) for s in schemes}
     n_chunks = len(token_ids) // chunk_tokens
@@ -64,27 +109,49 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
         if progress:
             progress(n_chunks)
         return report
-    encoders = {s.identity: ChunkEncoder(s, engine.model_id, auth=auth, threads=threads) for s in schemes}
-    t = time.perf_counter()
-    for i, kv in enumerate(engine.prefill_chunks(token_ids, chunk_tokens)):
-        report.prefill_s += time.perf_counter() - t
-        for s in schemes:
-            key, rung = keys[s.identity][i], report.rungs[rung_name(s)]
-            if store.exists(key):
-                continue
-            t_enc = time.perf_counter()
-            data = encoders[s.identity].encode(kv, key, i, i * chunk_tokens)
+    workers = max(1, int(workers))
+    encoders = _Encoders(schemes, engine.model_id, auth, threads)
+    # (chunk's fp16 bytes, [(scheme, key, result)]) per chunk, oldest first: stored in this order
+    pending: Deque[Tuple[int, List[Tuple[Scheme, str, Future]]]] = deque()
+
+    def finish_oldest() -> None:
+        fp16, jobs = pending.popleft()
+        for s, key, job in jobs:
+            data, encode_s, decode_s = job.result()
             store.put(key, data)
-            rung.encode_s += time.perf_counter() - t_enc
-            rung.decode_s += encoders[s.identity].last_decode_s
+            rung = report.rungs[rung_name(s)]
+            rung.encode_s += encode_s
+            rung.decode_s += decode_s
             rung.written += 1
             rung.bytes_written += len(data)
-            rung.fp16_bytes += kv.size * 2
+            rung.fp16_bytes += fp16
             if costs is not None:
-                costs.observe_rung(s.identity, chunk_tokens, len(data), encoders[s.identity].last_decode_s)
-        t = time.perf_counter()
+                costs.observe_rung(s.identity, chunk_tokens, len(data), decode_s)
         if progress:
             progress(1)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-ingest") if workers > 1 else \
+            _Inline() as pool:
+        try:
+            t = time.perf_counter()
+            for i, kv in enumerate(engine.prefill_chunks(token_ids, chunk_tokens)):
+                report.prefill_s += time.perf_counter() - t
+                jobs = [(s, keys[s.identity][i], pool.submit(encoders.encode, s, kv, keys[s.identity][i], i,
+                                                             i * chunk_tokens))
+                        for s in schemes if not store.exists(keys[s.identity][i])]
+                pending.append((kv.size * 2, jobs))
+                # one worker: stored at once, as before; else ``workers`` chunks encode while
+                # prefill makes the next one (bounded memory: at most workers + 1 chunks held)
+                while len(pending) > (workers if workers > 1 else 0):
+                    finish_oldest()
+                t = time.perf_counter()
+            while pending:
+                finish_oldest()
+        except BaseException:
+            for _, jobs in pending:
+                for _, _, job in jobs:
+                    job.cancel()
+            raise
     for rung in report.rungs.values():
         report.written += rung.written
         report.bytes_written += rung.bytes_written
@@ -95,13 +162,34 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
     return report
 
 
+class _Inline:
+    """``ThreadPoolExecutor``'s ``submit`` run at once in the caller (one worker: no thread)."""
+
+    def __enter__(self) -> "_Inline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    @staticmethod
+    def submit(fn, *args) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as exc:  # raised where the result is read, as from a pool
+            f.set_exception(exc)
+        return f
+
+
 def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, Sequence[str], None] = None,
                  store_url: Optional[str] = None, threads: Optional[int] = None,
-                 progress: Optional[Callable[[int], None]] = None) -> IngestReport:
+                 progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None) -> IngestReport:
     """The one ingest path of the CLI and the tools: ``token_ids`` into the store at each rung
     (a ladder spec; default: the settings' ladder), bound to the engine's card (codec profile, KV
     dtype: ``Scheme.for_card``), with the measured costs recorded where the serving steps of
-    ``settings`` read them; signed with the deployment's chunk key (``format.auth.load_auth``)."""
+    ``settings`` read them; signed with the deployment's chunk key (``format.auth.load_auth``).
+    ``workers``: chunk encoders side by side (default: the settings' ``ingest_workers`` where they
+    have one, else ``default_workers()``)."""
     from dataclasses import replace
 
     from .format.auth import load_auth
@@ -115,4 +203,10 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
     with open_store(url) as store:
         return ingest(engine, store, token_ids, schemes, settings.chunk_tokens, auth=load_auth(settings.key_file),
                       threads=max(1, threads if threads is not None else settings.threads), progress=progress,
-                      costs=costs)
+                      costs=costs, workers=_workers(settings, workers))
+
+
+def _workers(settings, workers: Optional[int]) -> int:
+    if workers is None:
+        workers = getattr(settings, "ingest_workers", None) or default_workers()
+    return max(1, int(workers))

@@ -6,10 +6,13 @@ profile: ``keyint=1`` would make it signal the "Main Intra" range-extension prof
 stream stays within what NVDEC decodes (HEVC Main, 8-bit, or Main10 for ``bit_depth=10``, whose
 planes are ``uint16`` samples 0..1023; not monochrome). ``lossless=True`` gives x265's lossless mode (bit-exact);
 otherwise ``qp`` sets a constant quantizer. Frame order is the stream order (raw streams carry
-no timestamps).
+no timestamps). ``x265`` sets x265's coding tools (``"rd=2:info=0"``: ``TOOLS`` names those a scheme
+may set; what keeps every frame an IDR intra picture is not among them), measured for speed, size
+and distortion by ``perf/encode_speed.py``.
 """
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 from typing import List, Tuple
 
@@ -56,6 +59,31 @@ class PyAVDecoder:
 
 
 PIX_FMT = {8: "yuv420p", 10: "yuv420p10le"}
+# x265 options a scheme may set in ``x265`` (coding tools: speed against size and distortion).
+# The structure of the stream is not among them: keyint, forced IDR, no B frames, repeated
+# headers, 4:2:0 and the profile stay as ``Hevc.x265_params`` fixes them (NVDEC must decode it).
+TOOLS = frozenset({
+    "rd", "rdoq-level", "ctu", "min-cu-size", "max-tu-size", "tu-intra-depth", "sao", "signhide",
+    "strong-intra-smoothing", "rskip", "rskip-edge-threshold", "fast-intra", "tskip", "tskip-fast",
+    "early-skip", "b-intra", "rect", "amp", "limit-modes", "limit-tu", "info", "splitrd-skip",
+})
+_VALUE = re.compile(r"^[0-9A-Za-z.]+$")
+
+
+def x265_tools(spec: str) -> str:
+    """``spec`` ("name=value:name=value") checked against ``TOOLS`` and in one canonical form
+    (sorted by name), so that equal settings give equal scheme identities."""
+    tools = {}
+    for item in (p for p in str(spec).split(":") if p):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in TOOLS or not _VALUE.match(value):
+            raise ValueError(f"hevc x265 option {item!r} is not one of name=value with name in "
+                             f"{', '.join(sorted(TOOLS))}")
+        if name in tools:
+            raise ValueError(f"hevc x265 option {name!r} is set twice in {spec!r}")
+        tools[name] = value
+    return ":".join(f"{k}={tools[k]}" for k in sorted(tools))
 SAMPLE = {8: np.uint8, 10: np.uint16}
 
 
@@ -87,7 +115,7 @@ class Hevc(BitstreamCoder):
     RUNTIME_OPTIONS = ("decoder", "threads")
 
     def __init__(self, lossless: bool = True, qp: int = 0, preset: str = "ultrafast", decoder: str = "pyav",
-                 threads: int = 1, bit_depth: int = 8, tune: str = "") -> None:
+                 threads: int = 1, bit_depth: int = 8, tune: str = "", x265: str = "") -> None:
         # Only what shapes the bitstream goes into params (and so into headers and keys); an
         # 8-bit stream keeps the parameters (and the chunk keys) it had before 10-bit existed.
         if int(bit_depth) not in PIX_FMT:
@@ -95,6 +123,9 @@ class Hevc(BitstreamCoder):
         extra = {"bit_depth": 10} if int(bit_depth) == 10 else {}
         if tune:
             extra["tune"] = str(tune)
+        tools = x265_tools(x265)
+        if tools:  # only when set: the identities of schemes without it stay as they were
+            extra["x265"] = tools
         super().__init__(lossless=bool(lossless), qp=int(qp), preset=str(preset), **extra)
         self.bit_depth = int(bit_depth)
         self._threads = int(threads)
@@ -117,6 +148,8 @@ class Hevc(BitstreamCoder):
         parts.append("lossless=1" if self.params["lossless"] else f"qp={self.params['qp']}")
         if self.params.get("tune") == "mse":  # no psycho-visual tuning: these planes are data
             parts += ["psy-rd=0", "psy-rdoq=0", "aq-mode=0", "cutree=0"]
+        if self.params.get("x265"):  # after the preset's and the tune's: these win
+            parts.append(self.params["x265"])
         return ":".join(parts)
 
     def encode(self, planes: np.ndarray) -> bytes:
