@@ -14,7 +14,7 @@ import pytest
 from kvcodec.format.auth import ChunkAuth
 from kvcodec.format.codecs import Scheme
 from kvcodec.profiles import _CACHE as PROFILE_CACHE
-from kvcodec.profiles import fit_profile, save_profile
+from kvcodec.profiles import save_profile
 from kvcodec.store.memory import MemoryStore
 
 LAYERS, KV_HEADS, TOKENS, HEAD_DIM = 4, 3, 256, 64
@@ -54,8 +54,10 @@ def tiny_profile(tmp_path_factory):
     """A codec profile ``tiny-v1`` for the synthetic geometry, fitted on structured KV, found
     through ``KVCODEC_PROFILE_DIR`` for the whole session. Yields its directory."""
     d = tmp_path_factory.mktemp("profiles")
+    from perf.fuzz import synthetic_profile
+
     samples = [(structured_kv(s, token_start=s * 256), s * 256) for s in range(4)]
-    save_profile(fit_profile(iter(samples), THETA), d / f"{TINY_PROFILE}.npz")
+    save_profile(synthetic_profile(samples, THETA), d / f"{TINY_PROFILE}.npz")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCODEC_PROFILE_DIR", str(d))
         PROFILE_CACHE.pop(TINY_PROFILE, None)

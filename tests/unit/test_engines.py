@@ -96,7 +96,7 @@ def test_the_smollm2_card_needs_no_conversion(tmp_path):
         pytest.fail(f"the shipped model is missing: {exc}")
     assert card.model_id.startswith("SmolLM2-135M-Instruct@gguf-sha256:") and len(card.model_id.split(":")[1]) == 64
     assert (card.layers, card.kv_heads, card.head_dim, card.vocab_size) == (30, 3, 64, 49152)
-    assert card.codec_profile == "smollm2-135m-v1"
+    assert card.codec_profile == "smollm2-135m-v2"
     assert card.kv_dtype == "float32"  # the transformers engine runs float32: raw stores float32
     assert not (tmp_path / "empty-cache").exists()  # nothing converted
 

@@ -40,6 +40,12 @@ def weighted_profile(tiny_profile):
     PROFILE_CACHE.pop(WEIGHTED, None)
 
 
+def weighted_profile_dir(p):
+    from kvcodec.profiles import find_profile
+
+    return find_profile(p.name)
+
+
 def _greedy(variance, budget):
     bits = np.zeros(len(variance), dtype=int)
     for _ in range(budget):
@@ -118,11 +124,11 @@ def test_kvtc_through_the_codec_and_its_failures(tiny_profile):
     planes, side = layout.to_planes(kv, token_start=0)
     g = Geometry.of(kv)
     with pytest.raises(CorruptChunk, match="exact tokens"):
-        layout.from_planes(planes, dict(side, kvtc_exact=side["kvtc_exact"][:-2]), g, token_start=0)
+        layout.from_planes(planes, dict(side, pca_exact=side["pca_exact"][:-2]), g, token_start=0)
     with pytest.raises(CorruptChunk, match="non-finite"):
-        bad = bytearray(side["kvtc_exact"])
+        bad = bytearray(side["pca_exact"])
         bad[:2] = np.array([np.inf], dtype=np.float16).tobytes()
-        layout.from_planes(planes, dict(side, kvtc_exact=bytes(bad)), g, token_start=0)
+        layout.from_planes(planes, dict(side, pca_exact=bytes(bad)), g, token_start=0)
     with pytest.raises(ForeignChunk):
         layout.from_planes(planes, dict(side, pca_profile=b"0" * 32), g, token_start=0)
     with pytest.raises(CorruptChunk):
@@ -153,8 +159,11 @@ def test_weighted_steps_are_finer_where_the_weight_is(weighted_profile):
     planes, side = video.to_planes(kv, token_start=512)
     assert planes.max() <= 1023
     assert np.abs(video.from_planes(planes, side, g, token_start=512) - kv).max() < 0.1
+    with np.load(weighted_profile_dir(p)) as z:
+        save_profile({k: z[k] for k in z.files if k != "weight"}, weighted_profile_dir(p).parent / "tiny-plain.npz")
+    PROFILE_CACHE.pop("tiny-plain", None)
     with pytest.raises(ConfigError, match="no component weights"):
-        get_layout("pca", profile=TINY_PROFILE, weighted=1).to_planes(kv, token_start=512)
+        get_layout("pca", profile="tiny-plain", weighted=1).to_planes(kv, token_start=512)
     with pytest.raises(ConfigError, match="weighted must be"):
         get_layout("pca", profile=WEIGHTED, weighted=2)
 
@@ -186,7 +195,9 @@ def test_a_profile_with_bad_weights_is_refused(tiny_profile, tmp_path):
         path = save_profile(dict(arrays, weight=weight), tmp_path / "bad.npz")
         with pytest.raises(ConfigError, match="weights"):
             read_profile(path)
-    assert read_profile(tiny_profile / f"{TINY_PROFILE}.npz").weight is None
+    unweighted = {k: v for k, v in arrays.items() if k != "weight"}
+    assert read_profile(save_profile(unweighted, tmp_path / "plain.npz")).weight is None
+    assert read_profile(tiny_profile / f"{TINY_PROFILE}.npz").weight is not None
 
 
 # --- the sensitivity fit on a tiny random Llama (transformers, CPU) ---
@@ -259,3 +270,25 @@ def test_layer_lambdas_find_the_layer_the_output_reads():
     lam = layer_lambdas(ReadsLayer1Values(), Rms, [list(range(300))], prefix=256, eps=0.1)
     assert lam[1, 1] > 1e3 * max(lam[0, 0], lam[0, 1], lam[1, 0])
     assert all(x > 0 for x in itertools.chain.from_iterable(lam))
+
+
+@pytest.mark.parametrize("name", ["pca", "pca10"])
+def test_transform_layouts_keep_sink_tokens_exact_in_a_contexts_first_chunk(tiny_profile, name):
+    layout = get_layout(name, profile=TINY_PROFILE, sink=4, reorder=1) if name == "pca10" else \
+        get_layout(name, profile=TINY_PROFILE, sink=4)
+    for start in (0, 256):
+        kv = structured_kv(26, token_start=start)
+        kv[:, :, :, 0] *= 40  # a sink: far from the rest, it would set the component ranges
+        kv = kv.astype(np.float16)
+        g = Geometry.of(kv)
+        planes, side = layout.to_planes(kv, token_start=start)
+        assert ("pca_exact" in side) == (start == 0)
+        out = layout.from_planes(planes, side, g, token_start=start)
+        if start == 0:
+            assert np.array_equal(out[:, :, :, :4], kv[:, :, :, :4])
+            plain = get_layout(name, profile=TINY_PROFILE)
+            p2, s2 = plain.to_planes(kv, token_start=0)
+            err_plain = np.abs(plain.from_planes(p2, s2, g, token_start=0)[:, :, :, 4:] - kv[:, :, :, 4:]).mean()
+            assert np.abs(out[:, :, :, 4:] - kv[:, :, :, 4:]).mean() <= err_plain * 1.01
+        with pytest.raises(CorruptChunk, match="exact tokens"):
+            layout.from_planes(planes, {k: v for k, v in side.items() if k != "pca_exact"}, g, token_start=0)

@@ -11,10 +11,11 @@ from kvcodec.errors import ConfigError, CorruptChunk, ForeignChunk
 from kvcodec.format.codecs import get_scheme
 from kvcodec.format.geometry import Geometry
 from kvcodec.layout import get_layout
-from kvcodec.profiles import fit_profile, load_profile, read_profile, save_profile
+from kvcodec.profiles import load_profile, read_profile, save_profile
 from kvcodec.profiles.rope import rope, unrope
 from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import restore
+from perf.fuzz import synthetic_profile
 
 from .conftest import AUTH, THETA, TINY_PROFILE, on_tiny_profile, structured_kv
 
@@ -47,7 +48,7 @@ def test_fit_finds_the_directions_the_data_lives_in(tiny_profile):
     assert np.abs(gram - np.eye(p.channels)).max() < 5e-3  # orthonormal up to float16 rounding
     # a refit on the same KV gives the same file (sign convention, deterministic arithmetic)
     samples = [(structured_kv(s, token_start=s * 256), s * 256) for s in range(4)]
-    again = read_profile(save_profile(fit_profile(iter(samples), THETA), tiny_profile / "refit.npz"), TINY_PROFILE)
+    again = read_profile(save_profile(synthetic_profile(samples, THETA), tiny_profile / "refit.npz"), TINY_PROFILE)
     assert again.digest == p.digest
 
 

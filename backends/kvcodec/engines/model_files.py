@@ -28,7 +28,7 @@ _READY = "kvcodec-model.json"
 # The model's shape, as its config says (checked against the config when the engine loads it).
 _SHAPE = dict(layers=30, kv_heads=3, head_dim=64, vocab_size=49152, max_context=8192)
 ARCHITECTURE = "LlamaForCausalLM"  # the model class, named in config.json
-CODEC_PROFILE = "smollm2-135m-v1"  # fitted on this model (``kvcodec profile fit``), shipped
+CODEC_PROFILE = "smollm2-135m-v2"  # v1 (``kvcodec profile fit``) + weights (``kvcodec profile weigh``), shipped
 _IDS: Dict[str, str] = {}
 
 

@@ -6,9 +6,11 @@ every chunk key and header, so changing any of it makes old chunks misses, never
 
 - ``lossless8``: per-channel 8-bit quantization, HEVC lossless (the 8-bit values come back
   bit-exactly, through NVDEC or software);
-- ``video``: the KVCodec video rung: the ``transform-zstd`` coefficients (below) as 10-bit luma,
-  the tokens of each chunk chained nearest-neighbour first, lossy HEVC Main10 intra at a
-  constant QP (``quality`` sets the QP), x265 ``medium`` without psycho-visual tuning;
+- ``video``: the KVCodec video rung: the ``transform-zstd`` coefficients (below), each component
+  scaled by its sensitivity weight (the codec profile's: bits where the model looks), as 10-bit
+  luma, the tokens of each chunk chained nearest-neighbour first, the context's first 4 tokens
+  exact, lossy HEVC Main10 intra at a constant QP (``quality`` sets the QP), x265 ``medium``
+  without psycho-visual tuning;
 - ``video-q8``: the 8-bit per-channel layout of ``lossless8``, lossy HEVC at a constant QP (the
   naive layout, kept as the baseline the layout research started from);
 - ``int8-zstd``: the same 8-bit layout, zstd instead of video;
@@ -21,7 +23,11 @@ every chunk key and header, so changing any of it makes old chunks misses, never
   thousandths of the layer's RMS: lower is finer; the default 160 is the coarsest measured step
   that passes the quality gate on the eval set, ``perf/results/rd.json``);
 - ``cachegen``: CacheGen-style per-token max-abs quantization with LMCache's per-layer bins, ANS
-  entropy coding with per-(layer, channel) distributions (``quality`` = bins of the first layers).
+  entropy coding with per-(layer, channel) distributions (``quality`` = bins of the first layers);
+- ``kvtc``: KVTC-style (NVIDIA, arXiv 2511.01815): the PCA coefficients with 0-6 bits per
+  component by reverse water-filling on the fitted variances, the context's first 4 tokens exact,
+  zstd (``quality`` = hundredths of a bit per coefficient); ``kvtc-w``: the same bits allocated on
+  the variances times the sensitivity weights.
 
 Layout parameters (``layout_params``), where a scheme has them, are part of the identity too.
 Two of them come from the model, not the table: the codec ``profile`` (PCA layouts) and the KV
@@ -96,10 +102,12 @@ BOUND_PARAMS = ("profile", "dtype")  # layout parameters bound from the model ca
 SCHEMES: Dict[str, Scheme] = {
     "lossless8": Scheme("lossless8", layout="q8", codec="hevc", codec_params={"lossless": True, "qp": 0, "preset": "ultrafast"},
                         version=2),
+    # v4: bits where the model looks (the profile's sensitivity weights scale each component before
+    # the codec's one QP) and the context's first 4 tokens (attention sinks) kept exact
     "video": Scheme("video", layout="pca10", codec="hevc",
-                    codec_params={"lossless": False, "qp": 7, "preset": "medium", "bit_depth": 10, "tune": "mse"},
-                    layout_params={"step": 40, "kv_balance": 2, "reorder": 1},
-                    quality_param="qp", version=3),
+                    codec_params={"lossless": False, "qp": 8, "preset": "medium", "bit_depth": 10, "tune": "mse"},
+                    layout_params={"step": 40, "reorder": 1, "weighted": 1, "sink": 4},
+                    quality_param="qp", version=4),
     "video-q8": Scheme("video-q8", layout="q8", codec="hevc",
                        codec_params={"lossless": False, "qp": 8, "preset": "ultrafast"}, quality_param="qp", version=2,
                        baseline_only=True),
@@ -115,9 +123,14 @@ SCHEMES: Dict[str, Scheme] = {
                              quality_in="layout"),
     "cachegen": Scheme("cachegen", layout="cg", codec="ans", layout_params={"bins": 32}, quality_param="bins",
                        quality_in="layout"),
+    # KVTC as published (bits allocated on the fitted variances), the baseline; kvtc-w spends them
+    # where the model looks (the profile's sensitivity weights)
     "kvtc": Scheme("kvtc", layout="kvtc", codec="zstd", codec_params={"level": 19},
-                   layout_params={"bits": 150, "sink": 4, "recent": 0}, quality_param="bits", quality_in="layout",
+                   layout_params={"bits": 350, "sink": 4, "recent": 0}, quality_param="bits", quality_in="layout",
                    baseline_only=True),
+    "kvtc-w": Scheme("kvtc-w", layout="kvtc", codec="zstd", codec_params={"level": 19},
+                     layout_params={"bits": 350, "sink": 4, "recent": 0, "weighted": 1}, quality_param="bits",
+                     quality_in="layout"),
 }
 
 

@@ -23,7 +23,7 @@ project's codec profile.
   eval texts (``perf/results/README.md``).
 - **Exact tokens:** the context's first ``sink`` tokens (attention sinks: positions below ``sink``,
   so only in a context's first chunk) and each chunk's last ``recent`` tokens are stored as float16
-  in the side section ``kvtc_exact`` and restored bit for bit.
+  in the side section ``pca_exact`` and restored bit for bit.
 - **Planes:** ``uint8 [layers * 2, C, tokens]`` of level indices (``CENTRE`` the first level above
   zero; 0 for a 0-bit component), leading
   components first: the entropy coder (zstd in the ``kvtc`` scheme; KVTC uses DEFLATE) takes it
@@ -39,7 +39,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError, CorruptChunk
+from ..errors import ConfigError
 from ..format.geometry import Geometry
 from ..profiles import Profile
 from .allocation import MAX_BITS, allocation
@@ -56,13 +56,11 @@ class KvtcLayout(PcaUniform):
 
     def __init__(self, profile: Optional[str] = None, bits: int = 150, sink: int = 4, recent: int = 0,
                  weighted: int = 0) -> None:
-        super().__init__(profile=profile, weighted=weighted)
-        bits, sink, recent = int(bits), int(sink), int(recent)
+        super().__init__(profile=profile, weighted=weighted, sink=sink, recent=recent)
+        bits = int(bits)
         if not 1 <= bits <= 100 * MAX_BITS:
             raise ConfigError(f"bits must be 1..{100 * MAX_BITS} (hundredths of a bit per coefficient), got {bits}")
-        if not 0 <= sink <= 1024 or not 0 <= recent <= 1024:
-            raise ConfigError(f"sink and recent must be 0..1024 tokens, got {sink} and {recent}")
-        self.bits, self.sink, self.recent = bits, sink, recent
+        self.bits = bits
 
     def planes_shape(self, g: Geometry) -> Tuple[int, int, int]:
         return (g.layers * 2, g.kv_heads * g.head_dim, g.tokens)
@@ -73,43 +71,26 @@ class KvtcLayout(PcaUniform):
         step = allocation(p, self.bits, bool(self.weighted)).step
         return step, np.where(step > 0, (0.5 - CENTRE) * step, 0.0).astype(np.float32)
 
-    def exact_tokens(self, token_start: int, tokens: int) -> np.ndarray:
-        """Indices (within the chunk) of the tokens kept as float16: sinks, then the recent tail."""
-        sinks = np.arange(0, max(0, min(self.sink - token_start, tokens)))
-        tail = np.arange(max(tokens - self.recent, len(sinks)), tokens)
-        return np.concatenate([sinks, tail]).astype(np.int64)
-
     def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
         g, p, coeff = self.coefficients(kv, token_start)  # [L, 2, T, C]
+        side = {"pca_profile": p.digest.encode()}
+        coeff = self.keep_exact(kv, coeff, token_start, side)
         step, _ = self.quantizer(p)
         safe = np.where(step > 0, step, 1.0)
         idx = np.clip(np.floor(coeff / safe[:, :, None, :]) + CENTRE, 0, 2 * CENTRE - 1)
         idx = np.where(step[:, :, None, :] > 0, idx, 0)
-        exact = self.exact_tokens(token_start, g.tokens)
-        idx[:, :, exact, :] = 0  # restored from the side section instead
+        idx[:, :, self.exact_tokens(token_start, g.tokens), :] = 0  # restored from the side section instead
         planes = np.ascontiguousarray(idx.astype(np.uint8).transpose(0, 1, 3, 2).reshape(self.planes_shape(g)))
-        side = {"pca_profile": p.digest.encode(),
-                "kvtc_exact": np.ascontiguousarray(np.asarray(kv)[:, :, :, exact, :], dtype=np.float16).tobytes()}
         return planes, side
 
     def from_planes_torch(self, planes: Planes, side: Dict[str, bytes], g: Geometry, device: torch.device,
                           token_start: int = 0) -> torch.Tensor:
         check_planes(planes, self.planes_shape(g), np.uint8, self.name)
         p = self.checked_profile(side, g)
-        exact = self.exact_tokens(token_start, g.tokens)
-        try:
-            kept = np.frombuffer(side["kvtc_exact"], dtype=np.float16).reshape(
-                g.layers, 2, g.kv_heads, len(exact), g.head_dim)
-        except (KeyError, ValueError) as exc:
-            raise CorruptChunk(f"kvtc side data has no readable exact tokens: {exc}") from None
-        if not np.isfinite(kept).all():
-            raise CorruptChunk("kvtc exact tokens hold non-finite values")
+        exact = self.read_exact(side, g, token_start)
         step, level0 = self.quantizer(p)
         on = on_device(p, device)
         q = as_tensor(planes, device).reshape(g.layers, 2, p.channels, g.tokens)
         basis = on.basis * side_tensor(step, device)[:, :, None, :]
         offset = on.mean + torch.matmul(on.basis, side_tensor(level0, device)[..., None])[..., 0]
-        out = self.restore_kv(q, basis, offset, p, g, token_start)
-        if len(exact):
-            out[:, :, :, as_tensor(exact, device), :] = side_tensor(kept, device)
-        return out
+        return self.put_exact(self.restore_kv(q, basis, offset, p, g, token_start), exact)

@@ -53,7 +53,7 @@ class PcaUniform(Layout):
     needs_positions = True
 
     def __init__(self, profile: Optional[str] = None, step: int = 160, kv_balance: float = 2.0,
-                 weighted: int = 0, alloc: int = 0) -> None:
+                 weighted: int = 0, alloc: int = 0, sink: int = 0, recent: int = 0) -> None:
         step = int(step)
         if not 1 <= step <= 10000:
             raise ConfigError(f"step must be 1..10000 (thousandths of the layer RMS), got {step}")
@@ -65,6 +65,9 @@ class PcaUniform(Layout):
         if not 0 <= int(alloc) <= 100 * MAX_BITS:
             raise ConfigError(f"alloc must be 0..{100 * MAX_BITS} (hundredths of a bit per coefficient), got {alloc}")
         self.alloc = int(alloc)
+        if not 0 <= int(sink) <= 1024 or not 0 <= int(recent) <= 1024:
+            raise ConfigError(f"sink and recent must be 0..1024 tokens, got {sink} and {recent}")
+        self.sink, self.recent = int(sink), int(recent)
         self.profile_name = profile
         self.step = step
         self.kv_balance = kv_balance
@@ -110,6 +113,48 @@ class PcaUniform(Layout):
 
     def planes_shape(self, g: Geometry) -> Tuple[int, int, int]:
         return (g.layers * 2 * 2, g.kv_heads * g.head_dim, g.tokens)
+
+    def exact_tokens(self, token_start: int, tokens: int) -> np.ndarray:
+        """Indices (within the chunk) of the tokens kept as float16 in the side section ``pca_exact``:
+        the context's first ``sink`` tokens (attention sinks: only in its first chunk), then each
+        chunk's last ``recent`` tokens."""
+        sinks = np.arange(0, max(0, min(self.sink - token_start, tokens)))
+        tail = np.arange(max(tokens - self.recent, len(sinks)), tokens)
+        return np.concatenate([sinks, tail]).astype(np.int64)
+
+    def keep_exact(self, kv: np.ndarray, coeff: np.ndarray, token_start: int, side: Dict[str, bytes]) -> np.ndarray:
+        """Puts the exact tokens' float16 KV in ``side`` (when there are any) and returns ``coeff``
+        ``[L, 2, T, C]`` with theirs zeroed (the mean: nothing to code, and no outlier to set a
+        component's range)."""
+        exact = self.exact_tokens(token_start, coeff.shape[2])
+        if len(exact):
+            side["pca_exact"] = np.ascontiguousarray(np.asarray(kv)[:, :, :, exact, :], dtype=np.float16).tobytes()
+            coeff = coeff.copy()
+            coeff[:, :, exact, :] = 0
+        return coeff
+
+    def read_exact(self, side: Dict[str, bytes], g: Geometry, token_start: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The exact tokens' indices and their float16 KV ``[L, 2, H, n, D]`` from the side section,
+        checked on the host (before anything is made on a device)."""
+        exact = self.exact_tokens(token_start, g.tokens)
+        if not len(exact):
+            return exact, np.empty((0,), np.float16)
+        try:
+            kept = np.frombuffer(side["pca_exact"], dtype=np.float16).reshape(
+                g.layers, 2, g.kv_heads, len(exact), g.head_dim)
+        except (KeyError, ValueError) as exc:
+            raise CorruptChunk(f"{self.name} side data has no readable exact tokens: {exc}") from None
+        if not np.isfinite(kept).all():
+            raise CorruptChunk(f"{self.name} exact tokens hold non-finite values")
+        return exact, kept
+
+    @staticmethod
+    def put_exact(out: torch.Tensor, exact: Tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
+        """``out`` (restored KV) with the exact tokens (``read_exact``) written over their columns."""
+        index, kept = exact
+        if len(index):
+            out[:, :, :, as_tensor(index, out.device), :] = side_tensor(kept, out.device)
+        return out
 
     def steps(self, p: Profile) -> np.ndarray:
         """The step of each (layer, K|V), float32 ``[layers, 2]``: ``step`` thousandths of its RMS with
@@ -159,10 +204,11 @@ class PcaUniform(Layout):
     def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
         g, p, coeff = self.coefficients(kv, token_start)
         step = self.steps(p)
+        side = {"pca_profile": p.digest.encode(), "pca_step": step.tobytes()}
+        coeff = self.keep_exact(kv, coeff, token_start, side)
         q = np.clip(np.rint(coeff * self.inverse(p, step)[:, :, None, :]), -LIMIT, LIMIT)
         z = zigzag(q).transpose(0, 1, 3, 2).reshape(g.layers * 2, p.channels, g.tokens)  # coefficient-major
         planes = np.concatenate([(z & 0xFF).astype(np.uint8), (z >> 8).astype(np.uint8)])
-        side = {"pca_profile": p.digest.encode(), "pca_step": step.tobytes()}
         return np.ascontiguousarray(planes), side
 
     def opened(self, planes: Planes, side: Dict[str, bytes], g: Geometry, dtype) -> Tuple[Profile, np.ndarray]:
@@ -173,13 +219,14 @@ class PcaUniform(Layout):
     def from_planes_torch(self, planes: Planes, side: Dict[str, bytes], g: Geometry, device: torch.device,
                           token_start: int = 0) -> torch.Tensor:
         p, step = self.opened(planes, side, g, np.uint8)
+        exact = self.read_exact(side, g, token_start)
         on = on_device(p, device)
         t = as_tensor(planes, device)
         half = g.layers * 2
         z = t[:half].to(torch.int32).bitwise_or_(t[half:].to(torch.int32).bitwise_left_shift_(8))
         q = unzigzag_torch(z).reshape(g.layers, 2, p.channels, g.tokens)
         basis = on.basis * side_tensor(step[:, :, None] * self.factors(p), device)[:, :, None, :]
-        return self.restore_kv(q, basis, on.mean, p, g, token_start)
+        return self.put_exact(self.restore_kv(q, basis, on.mean, p, g, token_start), exact)
 
 
 class PcaVideo(PcaUniform):
@@ -204,8 +251,9 @@ class PcaVideo(PcaUniform):
     HALF = 511
 
     def __init__(self, profile: Optional[str] = None, step: int = 40, kv_balance: float = 2.0,
-                 reorder: int = 0, weighted: int = 0, alloc: int = 0) -> None:
-        super().__init__(profile=profile, step=step, kv_balance=kv_balance, weighted=weighted, alloc=alloc)
+                 reorder: int = 0, weighted: int = 0, alloc: int = 0, sink: int = 0, recent: int = 0) -> None:
+        super().__init__(profile=profile, step=step, kv_balance=kv_balance, weighted=weighted, alloc=alloc,
+                         sink=sink, recent=recent)
         if int(reorder) not in (0, 1):
             raise ConfigError(f"reorder must be 0 or 1, got {reorder}")
         self.reorder = int(reorder)
@@ -216,8 +264,9 @@ class PcaVideo(PcaUniform):
     def to_planes(self, kv: np.ndarray, token_start: int = 0) -> Tuple[np.ndarray, Dict[str, bytes]]:
         g, p, coeff = self.coefficients(kv, token_start)
         step = self.steps(p)
-        c = coeff.transpose(0, 1, 3, 2) * self.inverse(p, step)[..., None]  # [L, 2, C, T], in fine steps
         side = {"pca_profile": p.digest.encode(), "pca_step": step.tobytes()}
+        coeff = self.keep_exact(kv, coeff, token_start, side)
+        c = coeff.transpose(0, 1, 3, 2) * self.inverse(p, step)[..., None]  # [L, 2, C, T], in fine steps
         if self.reorder:
             order = chain_order(c.reshape(-1, g.tokens).T)
             c = c[..., order]
@@ -239,6 +288,7 @@ class PcaVideo(PcaUniform):
         if int(shift.max(initial=0)) > 15:
             raise CorruptChunk("pca10 side data holds a shift above 15")
         inverse = self._inverse_order(side, g.tokens) if self.reorder else None
+        exact = self.read_exact(side, g, token_start)
         scale = step[:, :, None] * self.factors(p) * np.exp2(shift).astype(np.float32)  # [L, 2, C], host
         on = on_device(p, device)
         q = as_tensor(planes, device).reshape(g.layers, 2, p.channels, g.tokens)
@@ -248,7 +298,7 @@ class PcaVideo(PcaUniform):
         # the centre into the offset: one matrix product over the samples as they come
         basis = on.basis * side_tensor(scale, device)[:, :, None, :]
         offset = on.mean - self.CENTRE * basis.sum(dim=-1)
-        return self.restore_kv(q, basis, offset, p, g, token_start)
+        return self.put_exact(self.restore_kv(q, basis, offset, p, g, token_start), exact)
 
     @staticmethod
     def _inverse_order(side: Dict[str, bytes], tokens: int) -> np.ndarray:
