@@ -208,5 +208,5 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
 
 def _workers(settings, workers: Optional[int]) -> int:
     if workers is None:
-        workers = getattr(settings, "ingest_workers", None) or default_workers()
+        workers = settings.ingest_workers or default_workers()
     return max(1, int(workers))

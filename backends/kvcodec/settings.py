@@ -21,6 +21,7 @@ name the field and the value.
 | key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
 | fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: a request's store calls end by then; the rest is computed |
 | writeback     | KVCODEC_WRITEBACK      | ``first``: after a miss, store the new full chunks at the ladder's first rung (3) |
+| ingest_workers | KVCODEC_INGEST_WORKERS | 0: ``min(2, cores)`` chunk encoders side by side at ingest (``kvcodec.ingest``) |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
@@ -60,6 +61,7 @@ class Settings:
     key_file: Path = Path(".cache/chunk.key")
     fetch_timeout_s: float = 20.0
     writeback: Tuple[str, ...] = ()  # rung specs to store after a miss (empty: off)
+    ingest_workers: int = 0  # chunk encoders side by side at ingest (0: ingest's default)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -103,13 +105,15 @@ class Settings:
         key_file = Path(raw("key_file") or home / "chunk.key").expanduser().resolve()
         fetch_timeout_s = _float("fetch_timeout_s", raw("fetch_timeout_s") or "20", minimum=0.001)
         writeback = _writeback(raw("writeback") or "first", ladder)
+        ingest_workers = _int("ingest_workers", raw("ingest_workers") or "0", minimum=0)
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
         if engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
-                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback)
+                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
+                   ingest_workers)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -128,6 +132,7 @@ class Settings:
             "KVCODEC_KEY_FILE": str(self.key_file),
             "KVCODEC_FETCH_TIMEOUT_S": repr(self.fetch_timeout_s),
             "KVCODEC_WRITEBACK": ",".join(self.writeback) or "off",
+            "KVCODEC_INGEST_WORKERS": str(self.ingest_workers),
         }
 
 

@@ -122,7 +122,8 @@ def test_environ_round_trips_through_load(tmp_path):
     env = s.environ()
     assert set(env) == {f"KVCODEC_{n}" for n in
                         ("HOME", "STORE", "MODEL_CACHE", "LADDER", "CHUNK_TOKENS", "THREADS", "DECODER",
-                         "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE", "KEY_FILE", "FETCH_TIMEOUT_S", "WRITEBACK")}
+                         "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE", "KEY_FILE", "FETCH_TIMEOUT_S", "WRITEBACK",
+                         "INGEST_WORKERS")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})
@@ -134,3 +135,11 @@ def test_settings_are_frozen(tmp_path):
     with pytest.raises(AttributeError):
         s.chunk_tokens = 8  # type: ignore[misc]
     assert isinstance(s.home, Path)
+
+
+def test_ingest_workers_from_the_environment_and_back():
+    s = Settings.load(env={"KVCODEC_INGEST_WORKERS": "3"})
+    assert s.ingest_workers == 3 and Settings.load(env=s.environ()).ingest_workers == 3
+    assert Settings.load(env={}).ingest_workers == 0  # ingest's own default
+    with pytest.raises(ConfigError, match="ingest_workers must be >= 0"):
+        Settings.load({"ingest_workers": "-1"}, env={})
