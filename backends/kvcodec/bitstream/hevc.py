@@ -1,13 +1,15 @@
 """HEVC planes codec: x265 encode in software, decode by PyAV (FFmpeg) or NVDEC.
 
 Each plane becomes one luma frame of a raw Annex-B HEVC stream, 4:2:0 with the chroma planes
-held at mid-grey, every frame an IDR picture (forced per frame, so that x265 keeps the HEVC Main
-profile: ``keyint=1`` would make it signal the "Main Intra" range-extension profile), so the
+held at mid-grey, every frame an intra picture (the first IDR, the rest I pictures forced per frame
+with ``pict_type``, so that x265 keeps the HEVC Main profile: ``keyint=1`` would make it signal the
+"Main Intra" range-extension profile; ``forced-idr=1`` in ``x265-params`` is not an x265 option and
+x265 ignores it, ``perf/results/README.md``), so the
 stream stays within what NVDEC decodes (HEVC Main, 8-bit, or Main10 for ``bit_depth=10``, whose
 planes are ``uint16`` samples 0..1023; not monochrome). ``lossless=True`` gives x265's lossless mode (bit-exact);
 otherwise ``qp`` sets a constant quantizer. Frame order is the stream order (raw streams carry
 no timestamps). ``x265`` sets x265's coding tools (``"rd=2:info=0"``: ``TOOLS`` names those a scheme
-may set; what keeps every frame an IDR intra picture is not among them), measured for speed, size
+may set; what keeps every frame an intra picture is not among them), measured for speed, size
 and distortion by ``perf/encode_speed.py``.
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ class PyAVDecoder:
         av = self._av
         ctx = av.CodecContext.create("hevc", "r")
         ctx.thread_count = self._threads
-        # Frame threads as well as slice (WPP) threads: every frame is an IDR picture, so frames
+        # Frame threads as well as slice (WPP) threads: every frame is an intra picture, so frames
         # decode side by side (PyAV's default is slice threads only: 1.6x slower at 2 threads).
         ctx.thread_type = "AUTO"
         out: List[np.ndarray] = []
@@ -174,7 +176,7 @@ class Hevc(BitstreamCoder):
             buf[:height] = planes[i]
             frame = av.VideoFrame.from_ndarray(buf, format=PIX_FMT[self.bit_depth])
             frame.pts = i
-            frame.pict_type = av.video.frame.PictureType.I  # an IDR picture (forced-idr=1)
+            frame.pict_type = av.video.frame.PictureType.I  # an intra picture (I; the first is IDR)
             packets.extend(ctx.encode(frame))
         packets.extend(ctx.encode(None))
         return b"".join(bytes(p) for p in packets)
