@@ -90,7 +90,7 @@ bench-concurrency: setup
 .PHONY: eval
 eval: setup
 	$(BIN)/kvcodec rd --json perf/results/rd.json --plot perf/results/rd.png
-	$(BIN)/kvcodec eval-task --task passkey --codec raw,int8-zstd,transform-zstd,video --samples 100 \
+	$(BIN)/kvcodec eval-task --task passkey --codec raw,int8-zstd,transform-zstd,video,kvtc --samples 100 \
 		--context-tokens 1024 --out perf/results/task.json
 
 # TTFT of reuse and of full prefill with Triton's perf_analyzer (own venv .venv-pa/): a real

@@ -181,7 +181,7 @@ class TaskConfig:
     seed: int = 0
     chunk_tokens: int = 256
     threads: int = 1  # the codecs' threads (x265, the decoder)
-    memo_entries: int = 64
+    memo_entries: int = 64  # restored chunks kept per rung
     answer_tokens: Optional[int] = None  # default: the task's
 
 
@@ -210,7 +210,8 @@ def run_task(engine, config: TaskConfig, log: Optional[Callable[[str], None]] = 
              if x.strip()]
     rungs = [_Rung(spec, scheme) for spec, scheme in zip(specs, parse_ladder(specs, engine.card), strict=True)]
     n_answer = config.answer_tokens or task.answer_tokens
-    memo = ChunkMemo(engine.model_id, ChunkAuth.random(), config.threads, config.memo_entries)  # never leaves here
+    memo = ChunkMemo(engine.model_id, ChunkAuth.random(), config.threads,  # the chunks never leave here
+                     config.memo_entries * len(rungs))
     rows: List[dict] = []
     prefill_correct = 0
     t0 = time.perf_counter()
