@@ -32,8 +32,8 @@ TOP1_GATE = 0.95
 DEFAULT_SETTINGS = (
     "raw", "lossless8", "int8-zstd", "nlevel-zstd:48", "cachegen:96",
     "transform-zstd:160", "transform-zstd:200",
-    "kvtc:300", "kvtc:350", "kvtc:400", "kvtc-w:300", "kvtc-w:350", "kvtc-w:400",
-    "video-q8:16", "video:7", "video:8", "video:9", "video:10",
+    "kvtc:300", "kvtc:350", "kvtc-w:250", "kvtc-w:300", "kvtc-w:350",
+    "video-q8:16", "video:9", "video:11", "video:13", "video:15",
 )
 
 
