@@ -8,8 +8,9 @@ the device would give:
 
 - ``q8`` (``lossless8``, ``video-q8``): ``q * step + min`` per (layer, K|V, head, channel);
 - ``pca10`` (``video``): the token order undone by one gather, ``basis @ q + offset`` with the
-  scale folded into the basis and the centre into the offset (as ``PcaVideo.from_planes``), RoPE
-  re-applied to the keys at their absolute positions.
+  scale (times the profile's per-component factors) folded into the basis and the centre into the
+  offset (as ``PcaVideo.from_planes``), RoPE re-applied to the keys at their absolute positions,
+  the exact sink tokens written over their columns.
 
 It reads the side data with the layout's own checks (profile digest, steps) and returns what the
 library would return to float16 rounding: the checks compare the two (max difference, share of
@@ -103,7 +104,9 @@ def _pca10(header: ChunkHeader, planes, side: Dict[str, bytes]):
         shift = np.frombuffer(side["pca_shift"], dtype=np.uint8).reshape(g.layers, 2, p.channels)
     except (KeyError, ValueError) as exc:
         raise CorruptChunk(f"pca10 side data missing or malformed: {exc}") from None
-    scale = torch.from_numpy(step[:, :, None] * np.exp2(shift).astype(np.float32)).to(planes.device)
+    # each component's step: the layout's factors (1, or 1 / sqrt(weight) for a weighted profile)
+    scale = torch.from_numpy(step[:, :, None] * layout.factors(p) * np.exp2(shift).astype(np.float32)).to(planes.device)
+    index, kept = layout.read_exact(side, g, header.token_start)  # sink tokens, kept as float16
     q = _samples(planes).reshape(g.layers, 2, p.channels, g.tokens)
     if layout.reorder:
         order = np.frombuffer(side["pca_order"], dtype="<u2").astype(np.int64)
@@ -119,6 +122,8 @@ def _pca10(header: ChunkHeader, planes, side: Dict[str, bytes]):
     out = torch.empty(g.shape, dtype=torch.float16, device=planes.device)
     out[:, 0] = _rope(x[:, 0].contiguous(), header.token_start, p.rope_theta)
     out[:, 1] = x[:, 1]
+    if len(index):
+        out[:, :, :, torch.from_numpy(index).to(planes.device)] = torch.from_numpy(kept.copy()).to(planes.device)
     return out
 
 
