@@ -86,3 +86,19 @@ def memory_store():
     store = MemoryStore(name)
     yield store
     store.close()
+
+
+def register_engine(monkeypatch, name: str, cls) -> str:
+    """``cls`` registered as engine ``name`` for one test (the registry restored after it)."""
+    import sys
+    import types
+
+    from kvcodec.engines import ENGINES
+
+    module = types.ModuleType(f"kvcodec_test_{name}_engine")
+    setattr(module, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(ENGINES, "_targets", dict(ENGINES._targets))
+    monkeypatch.setattr(ENGINES, "_loaded", dict(ENGINES._loaded))
+    ENGINES.register(name, f"{module.__name__}:{cls.__name__}")
+    return name

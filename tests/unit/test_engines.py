@@ -3,7 +3,6 @@ cheap; incremental detokenization gives the same text as decoding everything at 
 from __future__ import annotations
 
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -13,6 +12,8 @@ from kvcodec.engines import ENGINES, ModelCard, model_card
 from kvcodec.engines.tokenizer import IncrementalDetokenizer
 from kvcodec.errors import ConfigError, Unsupported
 from kvcodec.settings import Settings
+
+from .conftest import register_engine
 
 CARD = ModelCard(name="echo", model_id="echo@1", layers=1, kv_heads=1, head_dim=4, vocab_size=10, max_context=64,
                  codec_profile=None)
@@ -43,13 +44,7 @@ class EchoEngine:
 
 @pytest.fixture
 def echo_engine(monkeypatch):
-    module = types.ModuleType("kvcodec_test_echo_engine")
-    module.EchoEngine = EchoEngine
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr(ENGINES, "_targets", dict(ENGINES._targets))
-    monkeypatch.setattr(ENGINES, "_loaded", dict(ENGINES._loaded))
-    ENGINES.register("echo", f"{module.__name__}:EchoEngine")
-    return "echo"
+    return register_engine(monkeypatch, "echo", EchoEngine)
 
 
 def test_transformers_is_the_first_entry_and_the_default():

@@ -4,14 +4,12 @@ arguments and JSON on a stand-in engine (bytes as tokens, KV a function of the t
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import numpy as np
 import pytest
 import torch
 
-from kvcodec.engines import ENGINES, ModelCard
+from kvcodec.engines import ModelCard
 from kvcodec.errors import BadRequest, ConfigError
 from kvcodec_client import cli
 from perf.quality.task import (
@@ -23,6 +21,8 @@ from perf.quality.task import (
     run_task,
     wilson,
 )
+
+from .conftest import register_engine
 
 torch.set_num_threads(1)
 
@@ -80,13 +80,7 @@ class StandInEngine:
 
 @pytest.fixture
 def standin(monkeypatch):
-    module = types.ModuleType("kvcodec_test_task_engine")
-    module.StandInEngine = StandInEngine
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr(ENGINES, "_targets", dict(ENGINES._targets))
-    monkeypatch.setattr(ENGINES, "_loaded", dict(ENGINES._loaded))
-    ENGINES.register("standin", f"{module.__name__}:StandInEngine")
-    return "standin"
+    return register_engine(monkeypatch, "standin", StandInEngine)
 
 
 def test_samples_are_seeded_and_the_needle_is_where_they_say():
