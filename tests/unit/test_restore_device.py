@@ -24,6 +24,7 @@ from kvcodec.errors import CorruptChunk, ForeignChunk
 from kvcodec.format.codecs import get_scheme
 from kvcodec.format.geometry import Geometry
 from kvcodec.layout import cachegen, get_layout, nlevel, quant, tensors, transform
+from kvcodec.layout.allocation import allocation
 from kvcodec.profiles.rope import rope
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.decode import ChunkDecoder, Decoded
@@ -85,12 +86,16 @@ def _ref_synthesize(basis, coeff, offset):
     return out.numpy()
 
 
-def _ref_restore_kv(q, basis, offset, p, g, token_start):
+def _ref_restore_kv(q, basis, offset, p, g, token_start, layout=None, side=None):
     X = _ref_synthesize(basis, q, offset)
     x = X.reshape(g.layers, 2, g.kv_heads, g.head_dim, g.tokens).transpose(0, 1, 2, 4, 3)
     out = np.empty(g.shape, dtype=np.float16)
     out[:, 0] = rope(np.ascontiguousarray(x[:, 0]), token_start, p.rope_theta)
     out[:, 1] = x[:, 1]
+    exact = layout.exact_tokens(token_start, g.tokens) if layout is not None else []
+    if len(exact):  # sink / recent tokens, stored as float16
+        out[:, :, :, exact] = np.frombuffer(side["pca_exact"], np.float16).reshape(
+            g.layers, 2, g.kv_heads, len(exact), g.head_dim)
     return out
 
 
@@ -100,14 +105,15 @@ def ref_pca(layout, planes, side, g, token_start):
     half = g.layers * 2
     z = (planes[:half].astype(np.uint16) | (planes[half:].astype(np.uint16) << 8)).astype(np.int32)
     q = ((z >> 1) ^ -(z & 1)).reshape(g.layers, 2, p.channels, g.tokens)
-    return _ref_restore_kv(q, p.basis * step[:, :, None, None], p.mean, p, g, token_start)
+    scale = step[:, :, None] * layout.factors(p)  # each component's step
+    return _ref_restore_kv(q, p.basis * scale[:, :, None, :], p.mean, p, g, token_start, layout, side)
 
 
 def ref_pca10(layout, planes, side, g, token_start):
     p = layout.profile
     step = np.frombuffer(side["pca_step"], dtype=np.float32).reshape(g.layers, 2)
     shift = np.frombuffer(side["pca_shift"], dtype=np.uint8).reshape(g.layers, 2, p.channels)
-    scale = step[:, :, None] * np.exp2(shift).astype(np.float32)
+    scale = step[:, :, None] * layout.factors(p) * np.exp2(shift).astype(np.float32)
     q = planes.reshape(g.layers, 2, p.channels, g.tokens)
     if layout.reorder:
         order = np.frombuffer(side["pca_order"], dtype="<u2").astype(np.int64)
@@ -116,11 +122,19 @@ def ref_pca10(layout, planes, side, g, token_start):
         q = q[..., inverse]
     basis = p.basis * scale[:, :, None, :]
     offset = p.mean - layout.CENTRE * basis.sum(axis=-1)
-    return _ref_restore_kv(q, basis, offset, p, g, token_start)
+    return _ref_restore_kv(q, basis, offset, p, g, token_start, layout, side)
+
+
+def ref_kvtc(layout, planes, side, g, token_start):
+    p = layout.profile
+    step = allocation(p, layout.bits, bool(layout.weighted)).step  # 0 for a component given no bits
+    q = planes.reshape(g.layers, 2, p.channels, g.tokens).astype(np.float32)
+    coeff = np.where(step[..., None] > 0, (q - 128 + 0.5) * step[..., None], 0.0)  # midrise levels
+    return _ref_restore_kv(coeff, p.basis, p.mean, p, g, token_start, layout, side)
 
 
 REFERENCE: Dict[str, Callable] = {"q8": ref_q8, "qn": ref_qn, "cg": ref_cg, "native": ref_native,
-                                  "pca": ref_pca, "pca10": ref_pca10}
+                                  "pca": ref_pca, "pca10": ref_pca10, "kvtc": ref_kvtc}
 # case -> (layout, its parameters); the pca ones on the tests' tiny profile
 CASES = {
     "q8": ("q8", {}),
@@ -199,7 +213,7 @@ def test_the_planes_are_never_written_and_the_kv_is_its_own_memory(chunks):
 
 
 # -- serving.restore.restore ---------------------------------------------------------------------------
-SCHEMES = ["int8-zstd", "lossless8", "raw", "nlevel-zstd", "cachegen", "transform-zstd", "video"]
+SCHEMES = ["int8-zstd", "lossless8", "raw", "nlevel-zstd", "cachegen", "transform-zstd", "video", "kvtc", "kvtc-w"]
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +237,7 @@ def _reference(d: Decoded) -> np.ndarray:
 
 
 def _case(d: Decoded) -> str:
-    return "pca10" if d.header.layout == "pca10" else d.header.layout
+    return d.header.layout
 
 
 @pytest.mark.parametrize("name", SCHEMES)
