@@ -188,8 +188,8 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
     (a ladder spec; default: the settings' ladder), bound to the engine's card (codec profile, KV
     dtype: ``Scheme.for_card``), with the measured costs recorded where the serving steps of
     ``settings`` read them; signed with the deployment's chunk key (``format.auth.load_auth``).
-    ``workers``: chunk encoders side by side (default: the settings' ``ingest_workers`` where they
-    have one, else ``default_workers()``)."""
+    ``workers``: chunk encoders side by side (default: the settings' ``ingest_workers``, whose 0
+    means ``default_workers()``)."""
     from dataclasses import replace
 
     from .format.auth import load_auth
