@@ -86,12 +86,14 @@ bench-concurrency: setup
 	$(VBIN)/kvcodec bench concurrency --engine vllm --clients 1,4,8 --requests 4 \
 		--json perf/results/concurrency.json --plot perf/results/concurrency.png
 
-# Every codec at several settings over the eval set (22 texts): perf/results/rd.json and rd.png.
+# Task accuracy (passkey, 100 samples) of prefill and of each rung: perf/results/task.json; then
+# every codec at several settings over the eval set (22 texts), the 8-bit lossless8 rung gated on
+# that task accuracy: perf/results/rd.json and rd.png.
 .PHONY: eval
 eval: setup
-	$(BIN)/kvcodec rd --json perf/results/rd.json --plot perf/results/rd.png
-	$(BIN)/kvcodec eval-task --task passkey --codec raw,int8-zstd,transform-zstd,video,kvtc --samples 100 \
-		--context-tokens 1024 --out perf/results/task.json
+	$(BIN)/kvcodec eval-task --task passkey --codec raw,lossless8,int8-zstd,transform-zstd,kvtc,kvtc-w,video \
+		--samples 100 --context-tokens 1024 --threads 1 --out perf/results/task.json
+	$(BIN)/kvcodec rd --task-json perf/results/task.json --json perf/results/rd.json --plot perf/results/rd.png
 
 # TTFT of reuse and of full prefill with Triton's perf_analyzer (own venv .venv-pa/): a real
 # tritonserver fetching from nginx across a throttled link at each rate (root: network namespaces

@@ -202,7 +202,8 @@ def cmd_rd(args) -> int:
                       continuation_tokens=args.continuation_tokens, workers=args.workers,
                       decode_threads=args.decode_threads, texts=args.texts, chunk_tokens=settings.chunk_tokens,
                       model_cache=str(settings.model_cache), engine=settings.engine)
-    return run_rd(config, Path(args.json), Path(args.plot) if args.plot else None)
+    return run_rd(config, Path(args.json), Path(args.plot) if args.plot else None,
+                  task_path=Path(args.task_json) if args.task_json else None)
 
 
 def cmd_eval_task(args) -> int:
@@ -449,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--texts", type=int, help="only the first N texts of the eval set")
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "rd.json"))
     p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "rd.png"))
+    p.add_argument("--task-json", help="an eval-task result: gates lossless8 on task accuracy and adds each "
+                   "measured rung's accuracy")
     p.set_defaults(func=cmd_rd)
 
     p = sub.add_parser("eval-task", help="task accuracy (passkey retrieval) with prefill's KV and each rung's; "

@@ -66,14 +66,27 @@ def test_eval_transform_zstd_beats_8_bit_at_small_loss(settings, text_file):
 
 
 def test_rd_on_one_text_writes_the_summary_and_the_plot(settings, tmp_path):
-    out, png = tmp_path / "rd.json", tmp_path / "rd.png"
+    from kvcodec.engines import model_card
+    from kvcodec.format.ladder import parse_rung
+
+    out, png, task = tmp_path / "rd.json", tmp_path / "rd.png", tmp_path / "task.json"
+    # an eval-task result naming the rung by its default spec: rd matches it on the scheme's identity
+    int8_id = parse_rung("int8-zstd", model_card(settings)).identity
+    task.write_text(json.dumps({"task": "passkey", "samples": 100, "accuracy_prefill": 0.98, "codecs": {"int8-zstd": {
+        "codec_id": int8_id, "accuracy_codec": 0.97, "interval95": [0.91, 0.99], "lossless_in_accuracy": True}}}))
     cli(settings, "rd", "--texts", "1", "--workers", "1", "--prefix-tokens", "256", "--continuation-tokens", "16",
-        "--settings", "raw,int8-zstd,transform-zstd:160", "--json", str(out), "--plot", str(png))
+        "--settings", "raw,int8-zstd,transform-zstd:160", "--json", str(out), "--plot", str(png),
+        "--task-json", str(task))
     doc = json.loads(out.read_text())
+    assert doc["task"]["accuracy_prefill"] == 0.98 and doc["task"]["samples"] == 100
     assert [s["setting"] for s in doc["summary"]] == ["raw", "int8-zstd", "transform-zstd:160"]
     by = {s["setting"]: s for s in doc["summary"]}
     assert by["raw"]["gate"] is True and by["raw"]["greedy_min"] == 32 and by["raw"]["mean_kl"] == 0.0
     assert by["transform-zstd:160"]["ratio_vs_fp16"] > by["int8-zstd"]["ratio_vs_fp16"] > by["raw"]["ratio_vs_fp16"]
     assert all(s["decode_mb_s"] > 0 for s in doc["summary"])
+    assert by["int8-zstd"]["task_accuracy"] == 0.97 and by["int8-zstd"]["lossless_in_accuracy"] is True
+    assert "task_accuracy" not in by["transform-zstd:160"]
+    assert doc["headline"]["entropy_coded"]["setting"] in ("int8-zstd", "transform-zstd:160")
+    assert doc["headline"]["lossless_in_accuracy"]["setting"] == "int8-zstd" and doc["headline"]["video"] is None
     assert len(doc["rows"]) == 3 and doc["config"]["texts"] == ["py:argparse.py"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

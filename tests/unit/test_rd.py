@@ -6,7 +6,7 @@ import pytest
 
 from kvcodec.errors import ConfigError
 from perf.quality import evalset
-from perf.quality.rd import DEFAULT_SETTINGS, best_passing, plot, summarise
+from perf.quality.rd import DEFAULT_SETTINGS, best_passing, headline, match_task, plot, summarise
 
 
 def _row(text, setting, kl, top1, greedy, fp16=1000, stored=250):
@@ -37,8 +37,9 @@ def test_summary_aggregates_over_texts():
 
 def test_the_gate():
     by = {s["setting"]: s for s in summarise(ROWS, SETTINGS)}
-    assert by["raw"]["gate"] is True
-    assert by["lossless8"]["gate"] is False  # lossless rungs: 32 of 32 greedy tokens on every text
+    assert by["raw"]["gate"] is True and by["raw"]["gate_kind"] == "exact"  # 32 of 32 greedy tokens
+    assert by["lossless8"]["gate_kind"] == "task"
+    assert by["lossless8"]["gate"] is False  # no task result: not shown lossless in accuracy
     assert by["nlevel-zstd:32"]["mean_kl"] == 0.0105 and by["nlevel-zstd:32"]["gate"] is False  # KL over 0.01
     assert by["nlevel-zstd:48"]["gate"] is True
     assert by["transform-zstd:160"]["top1_agreement"] == 0.945
@@ -51,6 +52,38 @@ def test_best_passing_is_the_highest_ratio_that_passes_per_codec():
     assert set(best) == {"raw", "nlevel-zstd", "transform-zstd"}  # no lossless8: it failed
     assert best["transform-zstd"]["setting"] == "transform-zstd:120"
     assert best["nlevel-zstd"]["setting"] == "nlevel-zstd:48"
+
+
+def _task_entry(codec_id, correct, lossless):
+    return {"codec_id": codec_id, "accuracy_codec": correct / 100, "interval95": [0.9, 0.99],
+            "lossless_in_accuracy": lossless}
+
+
+def test_task_gate_for_lossless8_and_task_figures_for_every_measured_rung():
+    task = {"codecs": {"lossless8": _task_entry("id-l8", 97, True), "transform-zstd": _task_entry("id-t160", 91, False),
+                       "other": _task_entry("id-unused", 50, False)}}
+    matched = match_task(task, {"lossless8": "id-l8", "transform-zstd:160": "id-t160", "raw": "id-raw"})
+    assert set(matched) == {"lossless8", "transform-zstd:160"}  # matched on identity, not on the spec
+    by = {s["setting"]: s for s in summarise(ROWS, SETTINGS, matched)}
+    assert by["lossless8"]["greedy_min"] == 17 and by["lossless8"]["gate"] is True  # the task decides
+    assert by["lossless8"]["task_accuracy"] == 0.97 and by["lossless8"]["task_interval95"] == [0.9, 0.99]
+    t = by["transform-zstd:160"]
+    assert t["lossless_in_accuracy"] is False and t["gate_kind"] == "kl_top1" and t["gate"] is False
+    assert "task_accuracy" not in by["raw"]
+    assert summarise(ROWS, SETTINGS, {"lossless8": _task_entry("id-l8", 80, False)})[1]["gate"] is False
+
+
+def test_headline_compares_the_best_passing_video_with_the_best_entropy_coded():
+    rows = ROWS + [_row("a", "video:13", 0.007, 0.96, 8, stored=180), _row("b", "video:13", 0.008, 0.96, 8, stored=180),
+                   _row("a", "video:15", 0.02, 0.9, 8, stored=150), _row("b", "video:15", 0.02, 0.9, 8, stored=150)]
+    settings = SETTINGS + ["video:13", "video:15"]
+    task = {"transform-zstd:120": _task_entry("x", 96, True), "nlevel-zstd:48": _task_entry("y", 97, True)}
+    h = headline(summarise(rows, settings, task), video=["video:13", "video:15", "lossless8"])
+    assert h["video"]["setting"] == "video:13"  # video:15 fails the gate
+    assert h["entropy_coded"]["setting"] == "transform-zstd:120"  # raw is not a compression rung
+    assert h["video_vs_entropy"] == round((2000 / 360) / (2000 / 580), 3)
+    assert h["lossless_in_accuracy"]["setting"] == "transform-zstd:120" and h["lossless_in_accuracy"]["task_accuracy"] == 0.96
+    assert headline(summarise(ROWS[:2], ["raw"]), video=[])["video_vs_entropy"] is None
 
 
 def test_plot_is_a_png(tmp_path):
