@@ -158,7 +158,7 @@ def cmd_generate(args) -> int:
 
     settings = _settings(args)
     ids = tokenizer(settings).encode(_read_text(args.text_file))
-    client = KVCodecClient(args.url, args.protocol)
+    client = KVCodecClient(args.url, args.protocol, fallback_s=args.fallback_s)
     try:
         result = client.generate(ids, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs)
     except (ClientError, ConnectionError, OSError) as exc:
@@ -167,7 +167,8 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps({"tokens": result.tokens, "text": result.text, "ttft_s": round(result.ttft_s, 6),
                           "reused_tokens": result.reused_tokens, "prompt_tokens": len(ids),
-                          "total_s": round(result.total_s, 6), "stats": result.stats}))
+                          "total_s": round(result.total_s, 6), "stats": result.stats,
+                          "failures": result.failures}))
     else:
         print(result.text)
         print(f"\n[ttft {result.ttft_s:.3f} s, reused {result.reused_tokens}/{len(ids)} prompt tokens, "
@@ -362,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     p.add_argument("--no-reuse", action="store_true", help="force full prefill")
     p.add_argument("--codecs", help="this request only: rung specs to fetch from (default: the server's ladder)")
+    p.add_argument("--fallback-s", type=float, default=60.0,
+                   help="after a server failure (a stub that died, a restart), ask again as prefill for this "
+                        "many seconds (0: report the failure)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 

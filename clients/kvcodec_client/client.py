@@ -8,12 +8,22 @@ reused, and the server's statistics (JSON of the first and last responses, merge
 (a comma list of rung specs such as ``raw`` or ``video:12``) restricts the request to those rungs;
 left out, the server's ladder and its adaptive choice apply.
 A request the server refuses raises ``ClientError`` with the server's message and status.
+
+``fallback_s`` (default 0: off) is the client's answer to a server that fails a request it did not
+refuse: a stub that died in the request (Triton ends the request with "Stub process ... is not
+healthy"), a connection refused or reset while a watchdog restarts the server, a 5xx, an error event
+mid-stream. Within ``fallback_s`` of the first failure the client asks again, with ``reuse=False``
+(the stored KV may be what crashed the decoder), backing off from 0.5 s to 4 s, and returns that
+answer: the model's own, from its own prefill, with the failures in ``GenerateResult.failures`` and
+in ``stats["client_fallback"]``. Refusals (INVALID_ARG, 4xx) and the client's own timeout are
+never retried: asking again would not change them.
 """
 from __future__ import annotations
 
 import http.client
 import json
 import queue
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -22,6 +32,16 @@ import numpy as np
 
 MODEL = "kvcodec"
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+# Failures of the server, not of the request: worth asking again (as prefill).
+RETRYABLE_GRPC = frozenset({"StatusCode.INTERNAL", "StatusCode.UNAVAILABLE", "StatusCode.UNKNOWN"})
+CONNECTION = "connection"  # the status of a refused, reset or dropped connection
+STREAM = "stream"  # the status of an error event in an HTTP stream that had begun (200)
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+# gRPC streams carry an error's message without its status; these messages are failures of the
+# server (Triton's when a python stub has died, and while it shuts down; gRPC's on a lost or
+# refused connection), anything else is taken as a refusal.
+SERVER_FAILURES = ("is not healthy", "Server is stopping", "Socket closed", "Connection reset",
+                   "Connection refused", "failed to connect", "Broken pipe")
 
 
 class ClientError(RuntimeError):
@@ -29,6 +49,13 @@ class ClientError(RuntimeError):
         super().__init__(f"{status}: {message}" if status else message)
         self.status = status
         self.message = message
+
+    @property
+    def retryable(self) -> bool:
+        """A failure of the server (see the module's docstring), not a refusal of the request."""
+        if self.status in RETRYABLE_GRPC or self.status in (CONNECTION, STREAM):
+            return True
+        return self.status.isdigit() and int(self.status) >= 500
 
 
 @dataclass
@@ -39,10 +66,12 @@ class GenerateResult:
     total_s: float
     reused_tokens: int
     stats: dict = field(default_factory=dict)
+    failures: List[str] = field(default_factory=list)  # the server failures answered by asking again
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "text": self.text, "ttft_s": round(self.ttft_s, 6),
-                "reused_tokens": self.reused_tokens, "total_s": round(self.total_s, 6), "stats": self.stats}
+                "reused_tokens": self.reused_tokens, "total_s": round(self.total_s, 6), "stats": self.stats,
+                "failures": self.failures}
 
 
 class _Collector:
@@ -73,18 +102,49 @@ class _Collector:
 
 
 class KVCodecClient:
-    def __init__(self, url: Optional[str] = None, protocol: str = "grpc", timeout_s: float = 600.0) -> None:
+    def __init__(self, url: Optional[str] = None, protocol: str = "grpc", timeout_s: float = 600.0,
+                 fallback_s: float = 0.0) -> None:
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
+        if fallback_s < 0:
+            raise ValueError(f"fallback_s must be >= 0, got {fallback_s}")
         self.protocol = protocol
         self.url = (url or DEFAULT_URLS[protocol]).removeprefix("http://").removeprefix("grpc://")
         self.timeout_s = timeout_s
+        self.fallback_s = fallback_s
 
     def generate(self, token_ids: Sequence[int], max_tokens: int, reuse: bool = True,
                  codecs: Optional[str] = None) -> GenerateResult:
-        if self.protocol == "grpc":
-            return self._grpc(token_ids, max_tokens, reuse, codecs)
-        return self._http(token_ids, max_tokens, reuse, codecs)
+        failures: List[str] = []
+        deadline: Optional[float] = None
+        while True:
+            try:
+                result = self._once(token_ids, max_tokens, reuse and not failures, codecs)
+            except ClientError as exc:
+                if not exc.retryable or self.fallback_s <= 0:
+                    raise
+                now = time.monotonic()
+                deadline = now + self.fallback_s if deadline is None else deadline
+                failures.append(str(exc))
+                pause = BACKOFF_S[min(len(failures), len(BACKOFF_S)) - 1]
+                if now + pause >= deadline:
+                    raise ClientError(f"the server failed {len(failures)} time(s) within {self.fallback_s:g} s; "
+                                      f"last: {exc.message}", exc.status) from exc
+                time.sleep(pause)
+                continue
+            if failures:
+                result.failures = failures
+                result.stats["client_fallback"] = {"reason": failures[0], "attempts": len(failures) + 1,
+                                                   "reuse": False}
+            return result
+
+    def _once(self, token_ids, max_tokens, reuse, codecs) -> GenerateResult:
+        try:
+            if self.protocol == "grpc":
+                return self._grpc(token_ids, max_tokens, reuse, codecs)
+            return self._http(token_ids, max_tokens, reuse, codecs)
+        except (ConnectionError, http.client.HTTPException, socket.gaierror) as exc:
+            raise ClientError(f"{type(exc).__name__}: {exc}", CONNECTION) from exc
 
     def _grpc(self, token_ids, max_tokens, reuse, codecs) -> GenerateResult:
         import tritonclient.grpc as grpcclient
@@ -104,9 +164,12 @@ class KVCodecClient:
         events: "queue.Queue" = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
         try:
-            client.start_stream(callback=lambda result, error: events.put((result, error)))
-            collector = _Collector()
-            client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+            try:
+                client.start_stream(callback=lambda result, error: events.put((result, error)))
+                collector = _Collector()
+                client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+            except InferenceServerException as exc:
+                raise ClientError(exc.message(), exc.status() or CONNECTION) from exc
             while True:
                 try:
                     result, error = events.get(timeout=self.timeout_s)
@@ -114,7 +177,10 @@ class KVCodecClient:
                     raise ClientError(f"no response within {self.timeout_s:.0f} s") from None
                 if error is not None:
                     status = error.status() if isinstance(error, InferenceServerException) else ""
-                    raise ClientError(error.message() if hasattr(error, "message") else str(error), status or "")
+                    message = error.message() if hasattr(error, "message") else str(error)
+                    if not status and any(p in message for p in SERVER_FAILURES):
+                        status = STREAM
+                    raise ClientError(message, status or "")
                 ids = result.as_numpy("output_ids")
                 if ids is not None:
                     text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace")
@@ -148,7 +214,7 @@ class KVCodecClient:
                     continue
                 event = json.loads(line[5:])
                 if "error" in event:
-                    raise ClientError(event["error"])
+                    raise ClientError(event["error"], STREAM)
                 ids = event.get("output_ids")
                 if isinstance(ids, int):
                     ids = [ids]

@@ -455,6 +455,58 @@ def test_a_watchdog_restarts_the_server_when_a_stub_dies(own):
     assert log.count("Started GRPCInferenceService") == 2  # both runs, the log appended to
 
 
+@pytest.mark.timeout(600)
+def test_a_request_in_flight_when_its_decoder_crashes_gets_the_prefill_answer(own):
+    """A native decoder crash: SIGSEGV to the kv_decode stub while a request is inside it (stopped
+    first, as above, then let go to die), on a server under the watchdog, asked by a client with a
+    fallback (``fallback_s``). Triton ends the request with the stub's error; the client asks again
+    without the stored KV until the restarted server answers: the tokens of the model's own
+    prefill, within the watchdog's deadline, the failure reported in ``failures`` and
+    ``stats["client_fallback"]``. The next request reuses the stored chunks again."""
+    from perf.watchdog import Watchdog
+
+    local, ids = own
+    with own_server(local, "decoder-crash") as (server, metrics):
+        client = KVCodecClient(server.grpc_url, "grpc", timeout_s=KILL_DEADLINE_S, fallback_s=WATCHDOG_DEADLINE_S)
+        prefill = client.generate(ids, 4, reuse=False)
+        assert client.generate(ids, 4, reuse=True).reused_tokens == 768
+        watchdog = Watchdog(server).start()
+        try:
+            victim = stub_pids(server.pid)["kv_decode_0_0"]
+            os.kill(victim, signal.SIGSTOP)
+            outcome: dict = {}
+
+            def ask() -> None:
+                try:
+                    outcome["result"] = client.generate(ids, 4, reuse=True)
+                except ClientError as exc:
+                    outcome["error"] = str(exc)
+
+            asking = threading.Thread(target=ask, daemon=True)
+            asking.start()
+            wait_for(lambda: pending(metrics).get("kv_decode", 0) > 0, 60, "the request's chunks wait on kv_decode")
+            os.kill(victim, signal.SIGSEGV)  # delivered when it runs again: it dies as a crashing decoder does
+            os.kill(victim, signal.SIGCONT)
+            t0 = time.monotonic()
+            asking.join(WATCHDOG_DEADLINE_S + KILL_DEADLINE_S)
+            answered_s = time.monotonic() - t0
+        finally:
+            watchdog.stop()
+        assert not asking.is_alive() and "error" not in outcome, outcome
+        result = outcome["result"]
+        print(f"decoder crash: answered as prefill {answered_s:.1f} s after the crash, "
+              f"{len(result.failures)} failure(s) first: {result.failures[0]!r}; {watchdog.history}")
+        assert result.tokens == prefill.tokens and result.reused_tokens == 0
+        assert "Stub process 'kv_decode_0_0' is not healthy" in result.failures[0]
+        assert result.stats["client_fallback"]["reuse"] is False
+        assert result.stats["client_fallback"]["attempts"] == len(result.failures) + 1
+        assert answered_s < WATCHDOG_DEADLINE_S
+        assert watchdog.restarts == 1 and "kv_decode" in watchdog.history[0].reason
+        assert not alive(victim)
+        again = client.generate(ids, 4, reuse=True)
+        assert again.reused_tokens == 768 and not again.failures
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_prompt_longer_than_the_context_is_invalid_argument(server, protocol):
     """Prompt plus max_tokens past the model's context (8192): refused at the door, short message."""
