@@ -300,7 +300,7 @@ def cmd_soak(args) -> int:
 
 
 def cmd_repository(args) -> int:
-    from kvcodec_client.repository import TRTLLM_CONFIG_FILE, TRTLLM_MODEL, TRTLLM_MODEL_PY, render
+    from kvcodec_client.repository import TRTLLM_CONFIG_FILE, TRTLLM_MODEL, TRTLLM_MODEL_PY, parse_instances, render
 
     settings = None
     if args.variant == "trtllm":  # model.yaml names the project's converted model folder: make it ready
@@ -308,7 +308,8 @@ def cmd_repository(args) -> int:
 
         settings = _settings(args)
         model_files.ensure_model(settings.model_cache)
-    out = render(Path(args.source), Path(args.out), args.variant, gpus=args.gpus, settings=settings)
+    out = render(Path(args.source), Path(args.out), args.variant, gpus=args.gpus, settings=settings,
+                 instances=parse_instances(args.instances or ""))
     print(f"kvcodec repository: wrote the {args.variant} repository to {out}")
     if args.variant == "trtllm":
         version = out / TRTLLM_MODEL / "1"
@@ -437,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
     p.add_argument("--gpus", type=_list(int), default=[0], help="GPU ids of the KIND_GPU instances (trtllm: one)")
     p.add_argument("--source", default=str(DEFAULT_REPOSITORY), help="the committed repository it is derived from")
+    p.add_argument("--instances", help="STEP=COUNT,...: instance_group counts of kv_fetch, kv_decode, kv_restore "
+                                       "(per GPU on the gpu variant); llm runs as one")
     p.add_argument("--home", help="folder for caches (default ./.cache)")
     p.add_argument("--store", help="trtllm: the store URL the connector reads and writes (default file://<home>/store)")
     p.add_argument("--model-cache", help="trtllm: folder of the converted model (default <home>/models)")

@@ -30,6 +30,12 @@ would carry the same chunks through one more copy and a second deadline, keyed b
 ensemble would have to compute with a tokenizer that must match TensorRT-LLM's; the connector
 instead runs the same library chain (store -> ``ChunkDecoder`` -> ``restore``) in the scheduler.
 
+``instances`` (``--instances kv_decode=2,kv_restore=2``) sets the ``instance_group`` count of steps
+(per GPU on the gpu variant): ``kv_fetch``, ``kv_decode`` and ``kv_restore`` hold no state across
+calls and take any count; ``llm`` runs as one instance (the chunks of a request meet in it, and its
+engine batches the requests; its model refuses to load as several), and so does the gpu variant's
+``llm``: on the first GPU given only.
+
 ``kvcodec repository --variant gpu --out DIR`` writes one; ``tests/unit/test_model_repository.py``
 checks every variant with the same schema and wiring tests as the committed repository.
 """
@@ -47,6 +53,9 @@ from tritonclient.grpc import model_config_pb2
 from kvcodec.errors import ConfigError
 
 ON_GPU = ("kv_decode", "kv_restore", "llm")
+SCALABLE = ("kv_fetch", "kv_decode", "kv_restore")  # stateless across calls: any instance count
+SINGLE_INSTANCE = "llm"
+MAX_INSTANCES = 64
 TRTLLM_MODEL = "tensorrt_llm"  # the LLM-API model's name in NVIDIA's repository and in ours
 TRTLLM_CONFIG_FILE = "kvcodec-trtllm.json"
 # Where the NGC container (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3) keeps TensorRT-LLM's
@@ -108,7 +117,7 @@ def _gpu(committed: Dict[str, Any], gpus: Sequence[int]) -> Dict[str, Any]:
     for name, cfg in committed.items():
         if name not in ON_GPU:
             continue
-        _gpu_group(cfg, gpus)
+        _gpu_group(cfg, gpus[:1] if name == SINGLE_INSTANCE else gpus)
         _set_parameter(cfg, "FORCE_CPU_ONLY_INPUT_TENSORS", "no")
         if name == "kv_decode":
             _set_parameter(cfg, "decoder", "nvdec")
@@ -144,14 +153,43 @@ VARIANTS: Dict[str, Callable[[Dict[str, Any], Sequence[int]], Dict[str, Any]]] =
 }
 
 
-def configs(source: Path, variant: str, gpus: Sequence[int] = (0,)) -> Dict[str, "model_config_pb2.ModelConfig"]:
-    """Each model's config in ``variant``, by model name."""
+def configs(source: Path, variant: str, gpus: Sequence[int] = (0,),
+            instances: Optional[Mapping[str, int]] = None) -> Dict[str, "model_config_pb2.ModelConfig"]:
+    """Each model's config in ``variant``, by model name, with ``instances``' counts set."""
     if variant not in VARIANTS:
         raise ConfigError(f"repository variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     committed = {path.parent.name: load(path) for path in sorted(Path(source).glob("*/config.pbtxt"))}
     if not committed:
         raise ConfigError(f"no config.pbtxt under {source}")
-    return VARIANTS[variant](committed, gpus)
+    rendered = VARIANTS[variant](committed, gpus)
+    for name, count in (instances or {}).items():
+        _set_instances(rendered, name, count)
+    return rendered
+
+
+def _set_instances(rendered: Dict[str, Any], name: str, count: int) -> None:
+    if name == SINGLE_INSTANCE and count != 1:
+        raise ConfigError(f"{name} runs as one instance (a request's chunks meet in it, and its engine batches the "
+                          f"requests), got {count}; give {', '.join(SCALABLE)} more instances instead")
+    if name not in SCALABLE and name != SINGLE_INSTANCE:
+        raise ConfigError(f"--instances names a step: one of {', '.join(SCALABLE + (SINGLE_INSTANCE,))}, got {name!r}")
+    if name not in rendered:
+        raise ConfigError(f"the repository has no {name} step to give instances (the trtllm variant has none)")
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_INSTANCES:
+        raise ConfigError(f"{name}'s instance count must be an integer in 1..{MAX_INSTANCES}, got {count!r}")
+    for group in rendered[name].instance_group:
+        group.count = count
+
+
+def parse_instances(text: str) -> Dict[str, int]:
+    """``kv_decode=2,kv_restore=2`` -> ``{"kv_decode": 2, "kv_restore": 2}``."""
+    out: Dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, count = item.partition("=")
+        if not sep or not count.strip().isdigit():
+            raise ConfigError(f"--instances takes STEP=COUNT[,STEP=COUNT...], got {item!r}")
+        out[name.strip()] = int(count)
+    return out
 
 
 # -- the trtllm variant's files --------------------------------------------------------------------
@@ -253,7 +291,8 @@ def _default_settings():
 
 
 def render(source: Path, out: Path, variant: str, gpus: Sequence[int] = (0,), settings=None, card=None,
-           model: Optional[str] = None, tokens_per_block: int = 32) -> Path:
+           model: Optional[str] = None, tokens_per_block: int = 32,
+           instances: Optional[Mapping[str, int]] = None) -> Path:
     """Write the ``variant`` repository of ``source`` to ``out`` (replaced if it exists).
 
     ``settings``, ``card``, ``model`` and ``tokens_per_block`` are the ``trtllm`` variant's: the
@@ -262,7 +301,7 @@ def render(source: Path, out: Path, variant: str, gpus: Sequence[int] = (0,), se
     source, out = Path(source).resolve(), Path(out).resolve()
     if out == source:
         raise ConfigError("the variant would overwrite its source repository")
-    rendered = configs(source, variant, gpus)
+    rendered = configs(source, variant, gpus, instances)
     if out.exists():
         shutil.rmtree(out)
     for name, cfg in rendered.items():
@@ -275,7 +314,8 @@ def render(source: Path, out: Path, variant: str, gpus: Sequence[int] = (0,), se
                       f"# (the inputs and outputs of NVIDIA's all_models/llmapi/{name}/config.pbtxt), one GPU, decoupled.\n"
                       f"# 1/model.py and 1/helpers.py are TensorRT-LLM's: copy them from {TRTLLM_MODEL_PY}\n"
                       f"# (README.txt). Do not edit: regenerate.\n")
-        header = f"# Generated by `kvcodec repository --variant {variant}`{origin}"
+        counts = "".join(f" --instances {k}={v}" for k, v in (instances or {}).items() if k == name)
+        header = f"# Generated by `kvcodec repository --variant {variant}{counts}`{origin}"
         (out / name / "config.pbtxt").write_text(header + text_format.MessageToString(cfg))
         if not (source / name).is_dir():
             continue

@@ -13,7 +13,8 @@ Device tensors: ``get_array`` copies an input that Triton left on a GPU to the h
 works on numpy); ``get_tensor`` keeps it there as a torch tensor (DLPack, no copy). ``tensor`` makes
 an output from numpy or from a torch tensor: on a GPU through DLPack (no host copy), on the CPU as
 numpy (one copy into Triton's memory either way). ``instance_device(args)`` is the model instance's
-device (``KIND_GPU``: ``cuda:<model_instance_device_id>``, else the CPU).
+device (``KIND_GPU``: ``cuda:<model_instance_device_id>``, else the CPU). ``instance_count(args)``
+is how many instances the model's ``instance_group`` makes (``count`` per GPU for ``KIND_GPU``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,18 @@ def model_parameters(args: Dict[str, str]) -> Dict[str, str]:
     config = json.loads(args["model_config"])
     return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()
             if k not in TRITON_OWN_PARAMETERS}
+
+
+def instance_count(args: Dict[str, str]) -> int:
+    """How many instances of this model Triton runs: the sum over ``instance_group`` of ``count``
+    (default 1), times the number of ``gpus`` of a GPU group that names them."""
+    config = json.loads(args["model_config"])
+    total = 0
+    for group in config.get("instance_group") or [{}]:
+        gpus = group.get("gpus") or []
+        per = int(group.get("count") or 1)
+        total += per * (len(gpus) if str(group.get("kind", "")).upper() in ("KIND_GPU", "GPU") and gpus else 1)
+    return total
 
 
 def instance_device(args: Dict[str, str]) -> "torch.device":

@@ -6,6 +6,12 @@ on a worker thread, up to ``engine.max_concurrency`` at once (1 for the transfor
 for vLLM, which batches them). Every request's stream ends with a FINAL response, also when
 generation fails half-way.
 
+One instance only (``instance_count`` > 1 fails the load): the chunks of a request arrive as
+separate calls, and Triton gives each call to any instance, so they meet in one instance's
+``Assembler``; requests run side by side inside it, batched by the engine (vLLM), as Triton's own
+vLLM and TensorRT-LLM backends run one engine per model. The steps before it hold no state across
+calls and take any ``instance_group`` count (``kvcodec repository --instances``).
+
 Calls into ``pb_utils`` (responses, metrics) go through one lock: the stub's shared-memory
 allocator is not thread-safe (concurrent metric updates crashed the server with
 ``boost::interprocess::lock_exception`` in ``Metric::SendIncrementRequest``).
@@ -19,19 +25,24 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kvcodec.engines import open_engine
-from kvcodec.errors import KVCodecError
+from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.serving.assemble import Assembler
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.costs import for_settings, record_request
 from kvcodec.serving.generate import generate
 from kvcodec.settings import Settings
-from kvcodec.triton import FINAL, error_response, get_array, get_scalar, get_text, model_parameters, tensor, text_tensor
+from kvcodec.triton import (FINAL, error_response, get_array, get_scalar, get_text, instance_count, model_parameters,
+                            tensor, text_tensor)
 
 log = logging.getLogger("kvcodec.llm")
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        if instance_count(args) > 1:
+            raise ConfigError(f"llm runs as one instance, got {instance_count(args)}: a request's chunks meet in one "
+                              f"instance and its engine batches the requests; give kv_fetch, kv_decode and "
+                              f"kv_restore more instances instead")
         self.settings = Settings.load(model_parameters(args))
         self.engine = open_engine(self.settings)
         self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)

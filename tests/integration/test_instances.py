@@ -1,0 +1,99 @@
+"""Steps with several instances, under concurrent clients: a real tritonserver on a repository
+rendered with ``kvcodec repository --instances kv_fetch=2,kv_decode=2,kv_restore=2`` (llm stays
+one instance: a request's chunks meet in it, see ``model_repository/llm/1/model.py``), asked by
+8 clients at once over gRPC and HTTP, reuse and prefill mixed; every answer equals the same request
+made alone, and nothing stays queued."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+
+from kvcodec_client import KVCodecClient
+from kvcodec_client.repository import render
+from perf.ports import free_ports
+from perf.soak import stub_pids
+from perf.tritonserver import Ports, TritonServer
+
+from .conftest import REPO, cli, text_of
+from .test_faults import pending
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+QUESTION = "\n# What does this module do?\n"
+INSTANCES = {"kv_fetch": 2, "kv_decode": 2, "kv_restore": 2}
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def scaled(settings, tokenizer, tmp_path_factory):
+    home = tmp_path_factory.mktemp("instances-home")
+    local = replace(settings, home=home, store=f"file://{home / 'store'}", key_file=home / "chunk.key",
+                    ladder=("int8-zstd",), adaptive=False)
+    stored = text_of(tokenizer, "calendar.py", 800)
+    (home / "context.txt").write_text(stored)
+    cli(local, "ingest", "--text-file", str(home / "context.txt"), "--codec", "int8-zstd", "--json", "--quiet")
+    repository = render(REPO / "model_repository", home / "repository", "cpu", instances=INSTANCES)
+    http_port, grpc_port, metrics = free_ports(3)
+    server = TritonServer(repository, local, Ports(http_port, grpc_port, metrics), log_path=home / "server.log")
+    server.start(timeout_s=300)
+    try:
+        yield server, f"http://127.0.0.1:{metrics}/metrics", {
+            "stored": tokenizer.encode(stored + QUESTION),  # 3 stored chunks
+            "new": tokenizer.encode(text_of(tokenizer, "heapq.py", 400) + QUESTION),  # nothing stored
+        }
+    finally:
+        server.stop()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in ticks of 1/100 s
+
+
+def test_several_instances_of_each_step_answer_concurrent_clients_as_alone(scaled):
+    server, metrics, prompts = scaled
+    stubs = stub_pids(server.pid)
+    assert set(stubs) == {f"{step}_0_{i}" for step, n in INSTANCES.items() for i in range(n)} | {"llm_0_0"}, stubs
+    urls = {"grpc": server.grpc_url, "http": server.http_url}
+    asks = [(protocol, prompt, reuse) for protocol in urls for prompt, reuse in
+            (("stored", True), ("stored", False), ("new", True))]
+
+    def ask(spec):
+        protocol, prompt, reuse = spec
+        return KVCodecClient(urls[protocol], protocol, timeout_s=300).generate(prompts[prompt], TOKENS, reuse=reuse)
+
+    alone = {spec: ask(spec) for spec in asks}
+    for (protocol, prompt, reuse), result in alone.items():
+        assert result.reused_tokens == (768 if prompt == "stored" and reuse else 0), (protocol, prompt, reuse)
+    cpu_before = {name: _cpu_s(pid) for name, pid in stubs.items()}
+    load = asks * 2  # 12 requests, 8 at a time
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(ask, load))
+    for spec, result in zip(load, together):
+        assert (result.tokens, result.reused_tokens) == (alone[spec].tokens, alone[spec].reused_tokens), spec
+    busy = {name: round(_cpu_s(pid) - cpu_before[name], 2) for name, pid in sorted(stubs.items())}
+    print(f"CPU seconds per stub under the load: {busy}")
+    assert all(v == 0 for v in pending(metrics).values())
+    assert set(stub_pids(server.pid)) == set(stubs)  # every instance still there
+
+
+def test_llm_as_several_instances_does_not_load(settings, tmp_path):
+    """Rendering refuses ``llm=2`` (unit-tested); a repository edited by hand to two llm instances
+    makes the llm model refuse to load, so the server does not start, and its log says why."""
+    from perf.procs import ServiceError
+
+    repository = render(REPO / "model_repository", tmp_path / "repository", "cpu")
+    config = repository / "llm" / "config.pbtxt"
+    text = config.read_text()
+    assert text.count("count: 1") == 1
+    config.write_text(text.replace("count: 1", "count: 2"))
+    http_port, grpc_port, metrics = free_ports(3)
+    server = TritonServer(repository, replace(settings, home=tmp_path), Ports(http_port, grpc_port, metrics),
+                          log_path=tmp_path / "server.log")
+    try:
+        with pytest.raises(ServiceError):
+            server.start(timeout_s=300)
+    finally:
+        server.stop()
+    assert "llm runs as one instance, got 2" in (tmp_path / "server.log").read_text(errors="replace")
