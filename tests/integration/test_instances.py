@@ -70,7 +70,7 @@ def test_several_instances_of_each_step_answer_concurrent_clients_as_alone(scale
     load = asks * 2  # 12 requests, 8 at a time
     with ThreadPoolExecutor(max_workers=8) as pool:
         together = list(pool.map(ask, load))
-    for spec, result in zip(load, together):
+    for spec, result in zip(load, together, strict=True):
         assert (result.tokens, result.reused_tokens) == (alone[spec].tokens, alone[spec].reused_tokens), spec
     busy = {name: round(_cpu_s(pid) - cpu_before[name], 2) for name, pid in sorted(stubs.items())}
     print(f"CPU seconds per stub under the load: {busy}")

@@ -295,7 +295,7 @@ def test_instances_scale_the_stateless_steps_and_keep_llm_single():
     for name in cpu:  # nothing but the counts changes
         same = model_config_pb2.ModelConfig()
         same.CopyFrom(scaled[name])
-        for a, b in zip(same.instance_group, cpu[name].instance_group):
+        for a, b in zip(same.instance_group, cpu[name].instance_group, strict=True):
             a.count = b.count
         assert same == cpu[name], name
     gpu = variant_configs(REPO, "gpu", gpus=[0, 1], instances={"kv_decode": 2})

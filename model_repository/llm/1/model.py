@@ -31,8 +31,17 @@ from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.costs import for_settings, record_request
 from kvcodec.serving.generate import generate
 from kvcodec.settings import Settings
-from kvcodec.triton import (FINAL, error_response, get_array, get_scalar, get_text, instance_count, model_parameters,
-                            tensor, text_tensor)
+from kvcodec.triton import (
+    FINAL,
+    error_response,
+    get_array,
+    get_scalar,
+    get_text,
+    instance_count,
+    model_parameters,
+    tensor,
+    text_tensor,
+)
 
 log = logging.getLogger("kvcodec.llm")
 
