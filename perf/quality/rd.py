@@ -43,7 +43,7 @@ DEFAULT_SETTINGS = (
     "raw", "lossless8", "int8-zstd", "nlevel-zstd:48", "cachegen:96",
     "transform-zstd:160", "transform-zstd:200",
     "kvtc:300", "kvtc:325", "kvtc:350", "kvtc-w:250", "kvtc-w:300", "kvtc-w:325", "kvtc-w:350",
-    "video-q8:16", "video:9", "video:11", "video:13", "video:15",
+    "video-q8:16", "video:9", "video:11", "video:13", "video:15", "video-fast:13",
 )
 
 
