@@ -72,7 +72,7 @@ bench: setup
 		--json perf/results/ttft.json --plot perf/results/ttft.png
 	$(MAKE) setup-vllm
 	$(VBIN)/kvcodec bench ttft --engine vllm --bandwidth-mbps 100,1000 --context-tokens 1024 --runs 3 \
-		--methods prefill,raw,int8-zstd,cachegen,kvtc,transform-zstd,video,kvcodec \
+		--methods prefill,raw,int8-zstd,cachegen,kvtc,transform-zstd,kvtc-w,video,kvcodec \
 		--json perf/results/ttft-vllm.json --plot perf/results/ttft-vllm.png
 	$(MAKE) bench-concurrency
 

@@ -35,7 +35,7 @@ from .texts import stdlib_text
 SOURCES = ["json/decoder.py", "json/encoder.py", "csv.py", "textwrap.py", "shlex.py", "heapq.py",
            "bisect.py", "queue.py", "sched.py", "fnmatch.py", "glob.py", "string.py", "calendar.py"]
 QUESTION = "\n\n# Question: which function above is the longest?\n# Answer:"
-METHODS = ("prefill", "raw", "int8-zstd", "cachegen", "kvtc", "transform-zstd", "video", "kvcodec")
+METHODS = ("prefill", "raw", "int8-zstd", "cachegen", "kvtc", "transform-zstd", "kvtc-w", "video", "kvcodec")
 LOSSLESS = {"prefill", "raw"}
 # The setting each lossy method runs at: the coarsest that passed the gate (mean KL <= 0.01, top-1
 # >= 0.95) in `make eval` (perf/results/rd.json); the others' defaults pass it as they are.

@@ -240,6 +240,47 @@ def ingest_pool(engine, ids: Sequence[int], chunk_tokens: int, workers: Sequence
                      "runs_s": [round(x, 2) for x in secs[w]]} for w in workers}
 
 
+def video_ingest(engine, ids: Sequence[int], chunk_tokens: int, configs: Sequence[tuple], rounds: int,
+                 threads: int = 1) -> Dict[str, Any]:
+    """Whole ingests of one rung each (``configs``: ``(rung spec, workers)``) into a fresh memory
+    store, interleaved over ``rounds``: the wall clock of the encodes (the ingest's wall clock less
+    its prefill, the same work for every config), tokens per second of the whole ingest, and the
+    bytes stored. ``speedup`` and ``bytes_vs_first`` are against the first config (the rung as
+    ingest ran it before: ``video``, one chunk at a time)."""
+    from kvcodec.format.auth import ChunkAuth
+    from kvcodec.format.ladder import parse_rung
+    from kvcodec.ingest import ingest
+    from kvcodec.store.memory import MemoryStore
+
+    auth = ChunkAuth.random()
+    name = lambda spec, w: f"{spec} x{w}"  # noqa: E731
+    encode: Dict[str, List[float]] = {name(*c): [] for c in configs}
+    total: Dict[str, List[float]] = {name(*c): [] for c in configs}
+    size: Dict[str, int] = {}
+    for _ in range(rounds):
+        for spec, w in configs:
+            store = MemoryStore(f"video-ingest-{uuid.uuid4().hex}")
+            t0 = time.perf_counter()
+            rep = ingest(engine, store, ids, [parse_rung(spec, engine.card)], chunk_tokens, auth=auth,
+                         threads=threads, workers=w)
+            wall = time.perf_counter() - t0
+            for key in list(store._data):
+                store.delete(key)
+            n = name(spec, w)
+            total[n].append(wall)
+            encode[n].append(wall - rep.prefill_s)
+            size[n] = rep.bytes_written
+            print(f"  ingest {n}: {wall:.1f} s, of which encode {wall - rep.prefill_s:.1f} s", flush=True)
+    first = name(*configs[0])
+    tokens = len(ids) // chunk_tokens * chunk_tokens
+    e0 = statistics.median(encode[first])
+    return {n: {"encode_wall_s": round(statistics.median(encode[n]), 2),
+                "speedup": round(e0 / statistics.median(encode[n]), 3),
+                "ingest_tokens_per_s": round(tokens / statistics.median(total[n]), 1),
+                "bytes": size[n], "bytes_vs_first": round(size[n] / size[first] - 1, 5),
+                "encode_runs_s": [round(x, 2) for x in encode[n]]} for n in encode}
+
+
 def make_chunks(engine, text_index: int, n_chunks: int, chunk_tokens: int):
     """(kv, planes, side, token_start) per chunk of the eval text, the video scheme's layout, and
     the seconds prefill took."""
@@ -341,6 +382,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--device", action="store_true", help="the pinned-core timing of planes from --planes")
     ap.add_argument("--planes", default="")
     ap.add_argument("--json", default="perf/results/encode_speed.json")
+    ap.add_argument("--video-ingest", default="",
+                    help="only whole ingests of these RUNG@WORKERS (video@1,video-fast@2), text --text, "
+                         "--chunks chunks, --rounds rounds: encode wall clock and bytes, to --json")
     a = ap.parse_args(argv)
     if a.device:
         result = device_main(a)
@@ -355,6 +399,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     engine = open_engine(Settings.load({"model_cache": ".cache/models"}))
     chunk_tokens = 256
+    if a.video_ingest:
+        return _video_ingest_main(a, engine, chunk_tokens)
     ids, chunks, layout, scheme, prefill_s = make_chunks(engine, a.text, a.chunks, chunk_tokens)
     if a.save_planes:
         np.savez_compressed(a.save_planes, **{f"c{i}": c[1] for i, c in enumerate(chunks)})
@@ -398,6 +444,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result["prefill_tokens_per_s"] = round(chunk_tokens / result["prefill_s_per_chunk"], 1)
         workers = [int(w) for w in a.workers.split(",") if w]
         result["ingest_default_ladder"] = ingest_pool(engine, ids, chunk_tokens, workers, a.ingest_rounds)
+    Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {a.json}")
+    return 0
+
+
+def _video_ingest_main(a, engine, chunk_tokens: int) -> int:
+    from perf.quality import evalset
+
+    configs = []
+    for item in filter(None, a.video_ingest.split(",")):
+        spec, _, w = item.partition("@")
+        configs.append((spec, int(w or 1)))
+    text = evalset.EVAL_SET[a.text]
+    (_, ids), = evalset.load([text], engine.tokenize, a.chunks * chunk_tokens)
+    t0 = time.perf_counter()
+    rows = video_ingest(engine, ids, chunk_tokens, configs, a.rounds)
+    result = {"what": "whole ingests of one rung each into a memory store (perf/encode_speed.py --video-ingest): "
+                      "encode wall clock = ingest less its prefill; medians over rounds",
+              "text": text.name, "chunks": a.chunks, "rounds": a.rounds, "cores": os.cpu_count(),
+              "load_avg_1m": round(os.getloadavg()[0], 2), "wall_s": round(time.perf_counter() - t0, 1),
+              "configs": rows}
     Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.json}")
     return 0

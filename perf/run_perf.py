@@ -4,7 +4,7 @@
 2. takes the committed inputs ``perf/inputs/default.*`` (or makes them for ``--text-file``, into
    ``<home>/inputs/``), and ingests the context with ``kvcodec ingest`` into a file store under
    ``<home>`` (default ``.cache/perf``), at every rung of ``--ladder`` (by default the bench's:
-   transform-zstd, video, int8-zstd, raw; the server's adaptive fetcher chooses per chunk);
+   kvtc-w, video, int8-zstd, raw; the server's adaptive fetcher chooses per chunk);
 3. starts tritonserver on free ports, warms it up and checks that the reuse prompt is served
    from the store (reused_tokens > 0), else stops;
 4. runs perf_analyzer with the reuse input, then the prefill input, and writes

@@ -11,7 +11,7 @@ name the field and the value.
 | store         | KVCODEC_STORE          | ``file://<home>/store``                 |
 | model_cache   | KVCODEC_MODEL_CACHE    | ``<home>/models``                       |
 | engine        | KVCODEC_ENGINE         | ``transformers`` (``kvcodec.engines.ENGINES``)  |
-| ladder        | KVCODEC_LADDER         | ``transform-zstd,video,int8-zstd,raw`` (1)      |
+| ladder        | KVCODEC_LADDER         | ``kvtc-w,video,int8-zstd,raw`` (1)              |
 | chunk_tokens  | KVCODEC_CHUNK_TOKENS   | 256                                     |
 | threads       | KVCODEC_THREADS        | 0 (torch's default)                     |
 | decoder       | KVCODEC_DECODER        | ``pyav`` (``nvdec``, ``auto``)          |

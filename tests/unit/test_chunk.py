@@ -338,7 +338,7 @@ def test_scheme_identities_are_distinct_and_name_their_parts():
 def test_the_default_ladder_holds_only_rungs_that_pass_the_quality_gate():
     from kvcodec.format.ladder import DEFAULT_LADDER
 
-    gated = {"transform-zstd", "video", "int8-zstd", "raw"}  # pass in perf/results/rd.json; lossless8 does not
+    gated = {"kvtc-w", "transform-zstd", "video", "int8-zstd", "raw"}  # pass in perf/results/rd.json; lossless8 does not
     assert set(DEFAULT_LADDER) <= gated and "lossless8" not in DEFAULT_LADDER
 
 

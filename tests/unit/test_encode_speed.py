@@ -240,3 +240,16 @@ def test_workers_default_and_setting(monkeypatch):
     assert seen["workers"] == 3
     ingest_rungs(Settings(ingest_workers=1), Engine(), [1, 2, 3])
     assert seen["workers"] == 1
+
+
+def test_video_ingest_times_whole_ingests_per_rung_and_workers():
+    from perf.encode_speed import video_ingest
+
+    engine = ChunkEngine()
+    engine.card = None  # unbound rungs: int8-zstd and raw need no codec profile
+    rows = video_ingest(engine, list(range(256 * 3)), 256, [("int8-zstd", 1), ("int8-zstd", 2), ("raw", 1)], rounds=2)
+    assert list(rows) == ["int8-zstd x1", "int8-zstd x2", "raw x1"]
+    first = rows["int8-zstd x1"]
+    assert first["speedup"] == 1.0 and first["bytes_vs_first"] == 0.0 and len(first["encode_runs_s"]) == 2
+    assert rows["int8-zstd x2"]["bytes"] == first["bytes"]  # the same chunks, whatever the workers
+    assert rows["raw x1"]["bytes"] > first["bytes"] and rows["raw x1"]["ingest_tokens_per_s"] > 0

@@ -16,7 +16,7 @@ def test_defaults(tmp_path, monkeypatch):
     assert s.home == home
     assert s.store == f"file://{home / 'store'}"
     assert s.model_cache == home / "models"
-    assert s.ladder == ("transform-zstd", "video", "int8-zstd", "raw")  # rungs that pass the quality gate
+    assert s.ladder == ("kvtc-w", "video", "int8-zstd", "raw")  # rungs that pass the quality gate
     assert s.engine == "transformers"
     assert (s.chunk_tokens, s.threads, s.decoder) == (256, 0, "pyav")
 
