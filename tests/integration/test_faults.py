@@ -196,6 +196,50 @@ def test_metrics_count_the_fallbacks_by_reason_and_time_the_stages(faulty):
     assert values["kvcodec_fetch_seconds_sum"] > 0
 
 
+
+@pytest.mark.timeout(600)
+def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, tokenizer, tmp_path):
+    """A real redis-server as the store, the context ingested into it: paused (SIGSTOP: it accepts
+    connections and never answers), each request gives the prefill tokens within the fetch deadline
+    plus its prefill, and reuse comes back once it runs again; stopped (connection refused), the
+    same answer at once; the server stays healthy throughout."""
+    from perf.services.redis import RedisServer
+
+    redis = RedisServer(tmp_path / "redis", "127.0.0.1", free_ports(1)[0], "faults-pw").start()
+    try:
+        local = replace(settings, store=redis.url + "?connect_timeout_s=1&timeout_s=30")
+        text = text_of(tokenizer, "calendar.py", 800)
+        (tmp_path / "context.txt").write_text(text)
+        cli(local, "ingest", "--text-file", str(tmp_path / "context.txt"), "--codec", "int8-zstd", "--json", "--quiet")
+        with own_server(replace(local, home=settings.home, ladder=("int8-zstd",), fetch_timeout_s=FETCH_TIMEOUT_S,
+                                adaptive=False), "redis-faults") as (server, _metrics):
+            client = KVCodecClient(server.grpc_url, "grpc", timeout_s=120)
+            ids = tokenizer.encode(text + QUESTION)
+            prefill = client.generate(ids, 4, reuse=False)
+            assert client.generate(ids, 4, reuse=True).reused_tokens == 768
+            seen = {}
+            for fault in ("paused", "stopped"):
+                if fault == "paused":
+                    os.kill(redis.pid, signal.SIGSTOP)
+                else:
+                    redis.stop()
+                t0 = time.monotonic()
+                result = client.generate(ids, 4, reuse=True)
+                took = time.monotonic() - t0
+                if fault == "paused":
+                    os.kill(redis.pid, signal.SIGCONT)
+                seen[fault] = (round(took, 2), result.stats["miss_reason"])
+                assert result.tokens == prefill.tokens and result.reused_tokens == 0, fault
+                assert result.stats["miss_reason"], fault
+                assert took < FETCH_TIMEOUT_S + 3 * prefill.ttft_s + 5, (fault, took)
+                if fault == "paused":  # running again: the stored chunks are reused again
+                    assert client.generate(ids, 4, reuse=True).reused_tokens == 768
+            print(f"redis faults: {seen}")
+            assert "timed out" in seen["paused"][1] and "unreachable" in seen["stopped"][1]
+            assert client.generate(ids, 2, reuse=False).tokens == prefill.tokens[:2]  # still healthy
+    finally:
+        redis.stop()
+
 # -- the server's own faults ---------------------------------------------------------------------
 KILL_DEADLINE_S = 60.0  # a request whose stub is killed must end by then
 LONG_TOKENS = 64  # the generation a client walks away from
