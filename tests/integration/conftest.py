@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,15 @@ def ingest_text(settings, tmp_path: Path, text: str, codec: str = "lossless8") -
     path = tmp_path / f"context-{codec}.txt"
     path.write_text(text)
     return json.loads(cli(settings, "ingest", "--text-file", str(path), "--codec", codec, "--json", "--quiet").stdout)
+
+
+def ingested_home(settings, tokenizer, home: Path, source: str = "calendar.py", tokens: int = 800,
+                  codec: str = "int8-zstd"):
+    """Settings of a home of its own (chunk key, file store, costs) whose ladder is ``codec``, with
+    ``tokens`` tokens of ``source`` ingested at it; and that text."""
+    local = replace(settings, home=home, store=f"file://{home / 'store'}", key_file=home / "chunk.key",
+                    ladder=(codec,), adaptive=False)
+    text = text_of(tokenizer, source, tokens)
+    (home / "context.txt").write_text(text)
+    cli(local, "ingest", "--text-file", str(home / "context.txt"), "--codec", codec, "--json", "--quiet")
+    return local, text

@@ -35,7 +35,7 @@ from perf.procs import alive
 from perf.soak import read_proc, sample_tree, stub_pids
 from perf.tritonserver import MODELS, Ports, TritonServer
 
-from .conftest import REPO, cli, text_of
+from .conftest import REPO, cli, ingested_home, text_of
 
 pytestmark = pytest.mark.integration
 FETCH_TIMEOUT_S = 3.0
@@ -249,20 +249,16 @@ LONG_TOKENS = 64  # the generation a client walks away from
 def own(settings, tokenizer, tmp_path_factory):
     """A home of its own (chunk key, file store, costs) with a context ingested (int8-zstd, 3
     chunks), for the tests below that stop or damage their server: each starts its own."""
-    home = tmp_path_factory.mktemp("own-home")
-    local = replace(settings, home=home, store=f"file://{home / 'store'}", key_file=home / "chunk.key",
-                    ladder=("int8-zstd",), adaptive=False)
-    text = text_of(tokenizer, "calendar.py", 800)
-    (home / "context.txt").write_text(text)
-    cli(local, "ingest", "--text-file", str(home / "context.txt"), "--codec", "int8-zstd", "--json", "--quiet")
+    local, text = ingested_home(settings, tokenizer, tmp_path_factory.mktemp("own-home"))
     return local, tokenizer.encode(text + QUESTION)
 
 
 @contextlib.contextmanager
-def own_server(local, name: str):
-    """A tritonserver of ``local``'s settings, its log at ``<home>/<name>.log``; stopped at the end."""
+def own_server(local, name: str, repository: Path = REPO / "model_repository"):
+    """A tritonserver of ``local``'s settings on ``repository``, its log at ``<home>/<name>.log``;
+    stopped at the end."""
     http_port, grpc_port, metrics = free_ports(3)
-    server = TritonServer(REPO / "model_repository", local, Ports(http_port, grpc_port, metrics),
+    server = TritonServer(repository, local, Ports(http_port, grpc_port, metrics),
                           log_path=local.home / f"{name}.log")
     server.start(timeout_s=300)
     try:

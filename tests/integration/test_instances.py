@@ -16,8 +16,8 @@ from perf.ports import free_ports
 from perf.soak import stub_pids
 from perf.tritonserver import Ports, TritonServer
 
-from .conftest import REPO, cli, text_of
-from .test_faults import pending
+from .conftest import REPO, ingested_home, text_of
+from .test_faults import own_server, pending
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 QUESTION = "\n# What does this module do?\n"
@@ -28,22 +28,13 @@ TOKENS = 6
 @pytest.fixture(scope="module")
 def scaled(settings, tokenizer, tmp_path_factory):
     home = tmp_path_factory.mktemp("instances-home")
-    local = replace(settings, home=home, store=f"file://{home / 'store'}", key_file=home / "chunk.key",
-                    ladder=("int8-zstd",), adaptive=False)
-    stored = text_of(tokenizer, "calendar.py", 800)
-    (home / "context.txt").write_text(stored)
-    cli(local, "ingest", "--text-file", str(home / "context.txt"), "--codec", "int8-zstd", "--json", "--quiet")
+    local, stored = ingested_home(settings, tokenizer, home)
     repository = render(REPO / "model_repository", home / "repository", "cpu", instances=INSTANCES)
-    http_port, grpc_port, metrics = free_ports(3)
-    server = TritonServer(repository, local, Ports(http_port, grpc_port, metrics), log_path=home / "server.log")
-    server.start(timeout_s=300)
-    try:
-        yield server, f"http://127.0.0.1:{metrics}/metrics", {
+    with own_server(local, "instances", repository) as (server, metrics):
+        yield server, metrics, {
             "stored": tokenizer.encode(stored + QUESTION),  # 3 stored chunks
             "new": tokenizer.encode(text_of(tokenizer, "heapq.py", 400) + QUESTION),  # nothing stored
         }
-    finally:
-        server.stop()
 
 
 def _cpu_s(pid: int) -> float:
