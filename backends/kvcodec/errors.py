@@ -47,5 +47,13 @@ class StoreTimeout(StoreUnavailable):
     """The store did not answer within the request's fetch deadline."""
 
 
+class DecoderCrashed(KVCodecError, RuntimeError):
+    """The decoder's process died while decoding a chunk (``bitstream.isolated``): a miss."""
+
+
+class DecodeTimeout(KVCodecError, TimeoutError):
+    """The decoder did not finish a chunk within its deadline (``bitstream.isolated``): a miss."""
+
+
 class Unsupported(KVCodecError, NotImplementedError):
     """A codec, decoder or store backend is not available here."""

@@ -22,6 +22,8 @@ name the field and the value.
 | fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: a request's store calls end by then; the rest is computed |
 | writeback     | KVCODEC_WRITEBACK      | ``first``: after a miss, store the new full chunks at the ladder's first rung (3) |
 | ingest_workers | KVCODEC_INGEST_WORKERS | 0: ``min(2, cores)`` chunk encoders side by side at ingest (``kvcodec.ingest``) |
+| decoder_process | KVCODEC_DECODER_PROCESS | 1: kv_decode runs PyAV in a process of its own (a crash is a miss; ``kvcodec.bitstream.isolated``) |
+| decode_timeout_s | KVCODEC_DECODE_TIMEOUT_S | 30: that process's deadline per chunk (killed after it: a miss) |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
@@ -62,6 +64,8 @@ class Settings:
     fetch_timeout_s: float = 20.0
     writeback: Tuple[str, ...] = ()  # rung specs to store after a miss (empty: off)
     ingest_workers: int = 0  # chunk encoders side by side at ingest (0: ingest's default)
+    decoder_process: bool = True  # kv_decode's PyAV decoder in a process of its own
+    decode_timeout_s: float = 30.0  # that process's deadline per chunk
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -106,6 +110,8 @@ class Settings:
         fetch_timeout_s = _float("fetch_timeout_s", raw("fetch_timeout_s") or "20", minimum=0.001)
         writeback = _writeback(raw("writeback") or "first", ladder)
         ingest_workers = _int("ingest_workers", raw("ingest_workers") or "0", minimum=0)
+        decoder_process = _bool("decoder_process", raw("decoder_process") or "1")
+        decode_timeout_s = _float("decode_timeout_s", raw("decode_timeout_s") or "30", minimum=0.001)
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -113,7 +119,7 @@ class Settings:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
                    adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
-                   ingest_workers)
+                   ingest_workers, decoder_process, decode_timeout_s)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -133,6 +139,8 @@ class Settings:
             "KVCODEC_FETCH_TIMEOUT_S": repr(self.fetch_timeout_s),
             "KVCODEC_WRITEBACK": ",".join(self.writeback) or "off",
             "KVCODEC_INGEST_WORKERS": str(self.ingest_workers),
+            "KVCODEC_DECODER_PROCESS": "1" if self.decoder_process else "0",
+            "KVCODEC_DECODE_TIMEOUT_S": repr(self.decode_timeout_s),
         }
 
 
@@ -148,6 +156,13 @@ def _writeback(value: str, ladder: Tuple[str, ...]) -> Tuple[str, ...]:
     except ConfigError as exc:
         raise ConfigError(f"writeback: {exc} (or 'off', 'first')") from None
     return rungs
+
+
+def _bool(name: str, value: str) -> bool:
+    value = value.strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no"):
+        raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes")
 
 
 def _int(name: str, value: str, minimum: int) -> int:

@@ -32,7 +32,7 @@ import pytest
 from kvcodec_client import ClientError, KVCodecClient
 from perf.ports import free_ports
 from perf.procs import alive
-from perf.soak import read_proc, sample_tree, stub_pids
+from perf.soak import descendants, read_proc, sample_tree, stub_pids
 from perf.tritonserver import MODELS, Ports, TritonServer
 
 from .conftest import REPO, cli, ingested_home, text_of
@@ -381,7 +381,7 @@ def test_a_client_that_disconnects_mid_stream_leaves_nothing_behind(own):
         assert pending(metrics) == {model: 0 for model in MODELS}
         wait_for(lambda: sample_tree(server.pid)["fds"] <= before["fds"], 30, "the closed connections' fds go")
         now = sample_tree(server.pid)
-        assert (now["processes"], now["zombies"], now["shm_regions"]) == (5, 0, 4)
+        assert (now["processes"], now["zombies"], now["shm_regions"]) == (6, 0, 4)  # server, 4 stubs, decoder
     log = server.log_path.read_text(errors="replace")
     assert "Found 0 model versions that have in-flight inferences" in log
     assert not re.search(r"has \d+ in-flight inferences", log)
@@ -489,7 +489,7 @@ def test_a_watchdog_restarts_the_server_when_a_stub_dies(own):
             os.killpg(old_pid, 0)  # nothing of the old server's process group is left
         assert not alive(victim)
         now = sample_tree(server.pid)
-        assert (now["processes"], now["zombies"]) == (5, 0)
+        assert (now["processes"], now["zombies"]) == (6, 0)  # server, 4 stubs, the decoder's process
         assert set(stub_pids(server.pid)) == {"kv_fetch_0_0", "kv_decode_0_0", "kv_restore_0_0", "llm_0_0"}
     log = server.log_path.read_text(errors="replace")
     assert log.count("Started GRPCInferenceService") == 2  # both runs, the log appended to
@@ -545,6 +545,60 @@ def test_a_request_in_flight_when_its_decoder_crashes_gets_the_prefill_answer(ow
         assert not alive(victim)
         again = client.generate(ids, 4, reuse=True)
         assert again.reused_tokens == 768 and not again.failures
+
+
+def decoder_worker(server) -> int:
+    """The pid of kv_decode's HEVC decoder process (``kvcodec.bitstream.isolated``)."""
+    (pid,) = [p.pid for p in map(read_proc, descendants(server.pid))
+              if p and p.state != "Z" and "kvcodec.bitstream.isolated" in p.argv]
+    return pid
+
+
+@pytest.mark.timeout(600)
+def test_a_decoder_process_that_crashes_or_hangs_is_a_miss_answered_by_the_server_itself(settings, tokenizer,
+                                                                                          tmp_path):
+    """kv_decode runs PyAV in a process of its own (``decoder_process``, the default). A context at
+    ``lossless8`` (HEVC), a server with a 3 s decode deadline, no watchdog, a client without a
+    fallback. That process crashing mid-chunk (SIGSEGV, as FFmpeg on hostile bytes would) and
+    hanging mid-chunk (SIGSTOP) each give the prefill answer from the server itself, the reason in
+    ``stats``, within the deadline plus prefill; a new process takes the next chunk, and the next
+    request reuses the stored chunks again; the stubs are the same throughout."""
+    local, text = ingested_home(settings, tokenizer, tmp_path, codec="lossless8")
+    with own_server(replace(local, decode_timeout_s=3.0), "decoder-process") as (server, _metrics):
+        client = KVCodecClient(server.grpc_url, "grpc", timeout_s=120)
+        ids = tokenizer.encode(text + QUESTION)
+        prefill = client.generate(ids, 4, reuse=False)
+        reused = client.generate(ids, 4, reuse=True)
+        assert reused.reused_tokens == 768
+        stubs, seen = stub_pids(server.pid), {}
+        for fault in ("crash", "hang"):
+            worker = decoder_worker(server)
+            os.kill(worker, signal.SIGSTOP)
+            outcome: dict = {}
+
+            def ask(outcome=outcome) -> None:
+                outcome["r"] = client.generate(ids, 4, reuse=True)
+
+            asking = threading.Thread(target=ask, daemon=True)
+            t0 = time.monotonic()
+            asking.start()
+            if fault == "crash":
+                time.sleep(1.0)  # the first chunk is in the stopped worker by now
+                os.kill(worker, signal.SIGSEGV)
+                os.kill(worker, signal.SIGCONT)
+            asking.join(60)
+            took = time.monotonic() - t0
+            result = outcome["r"]
+            seen[fault] = (round(took, 2), result.stats["miss_reason"])
+            assert result.tokens == prefill.tokens and result.reused_tokens == 0, fault
+            assert took < 3.0 + 3 * prefill.ttft_s + 5, (fault, took)
+            assert decoder_worker(server) != worker and not alive(worker)
+            again = client.generate(ids, 4, reuse=True)
+            assert again.reused_tokens == 768 and again.tokens == reused.tokens, fault
+        print(f"decoder process faults: {seen}")
+        assert "died decoding this chunk (killed by signal 11)" in seen["crash"][1]
+        assert "did not answer within 3 s" in seen["hang"][1]
+        assert stub_pids(server.pid) == stubs  # no stub died, nothing restarted
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

@@ -47,7 +47,7 @@ def test_no_process_or_fd_growth(soak):
     _, doc, _ = soak
     grown = doc["growth"]
     assert grown["processes"] == 0 and grown["fds"] <= 0, grown
-    assert all(s["processes"] == 5 and s["zombies"] == 0 for s in doc["samples"])  # tritonserver + 4 stubs
+    assert all(s["processes"] == 6 and s["zombies"] == 0 for s in doc["samples"])  # tritonserver, 4 stubs, decoder
     assert all(s["shm_regions"] == 4 and s["shm_bytes"] > 0 for s in doc["samples"])
     assert len(doc["samples"]) >= 12 and doc["samples"][-1]["t_s"] >= 42
     print(f"soak: {doc['requests']} requests, growth {grown}, flat {doc['flat']} {doc['not_flat']}")

@@ -9,6 +9,9 @@ import pytest
 
 LIBRARY = Path(__file__).resolve().parents[2] / "backends" / "kvcodec"
 MODULES = sorted(p for p in LIBRARY.rglob("*.py"))
+# The one module allowed a process: the software HEVC decoder's own, so that a native crash or hang
+# in FFmpeg is one chunk's miss, not the python stub's death (part of the fault model, not tooling).
+PROCESS_OWNERS = {"bitstream/isolated.py": {"subprocess"}}
 
 
 def _imports(path: Path) -> set:
@@ -23,12 +26,13 @@ def _imports(path: Path) -> set:
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(LIBRARY)))
 def test_no_process_management_no_tooling_and_triton_only_at_the_edge(path):
-    imports = _imports(path)
+    imports = _imports(path) - PROCESS_OWNERS.get(str(path.relative_to(LIBRARY)), set())
     assert not imports & {"subprocess", "signal", "multiprocessing", "perf", "kvcodec_client"}, imports
     if path.relative_to(LIBRARY).parts[0] != "triton":
         assert not imports & {"triton_python_backend_utils", "tritonclient"}, imports
     source = path.read_text()
-    for call in ("os.kill", "os.killpg", "Popen", "os.system", "ip netns"):
+    owner = str(path.relative_to(LIBRARY)) in PROCESS_OWNERS
+    for call in ("os.kill", "os.killpg", "os.system", "ip netns") + (() if owner else ("Popen",)):
         assert call not in source, f"{path.name} uses {call}"
 
 
@@ -38,3 +42,8 @@ def test_each_ensemble_step_has_its_module():
     for step, module in steps.items():
         assert (LIBRARY / "serving" / f"{module}.py").is_file()
         assert f"kvcodec.serving.{module}" in (repo / step / "1" / "model.py").read_text()
+
+
+def test_the_process_owners_are_what_they_say():
+    for name, allowed in PROCESS_OWNERS.items():
+        assert (LIBRARY / name).is_file() and allowed <= _imports(LIBRARY / name), name

@@ -123,7 +123,7 @@ def test_environ_round_trips_through_load(tmp_path):
     assert set(env) == {f"KVCODEC_{n}" for n in
                         ("HOME", "STORE", "MODEL_CACHE", "LADDER", "CHUNK_TOKENS", "THREADS", "DECODER",
                          "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE", "KEY_FILE", "FETCH_TIMEOUT_S", "WRITEBACK",
-                         "INGEST_WORKERS")}
+                         "INGEST_WORKERS", "DECODER_PROCESS", "DECODE_TIMEOUT_S")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})
@@ -143,3 +143,16 @@ def test_ingest_workers_from_the_environment_and_back():
     assert Settings.load(env={}).ingest_workers == 0  # ingest's own default
     with pytest.raises(ConfigError, match="ingest_workers must be >= 0"):
         Settings.load({"ingest_workers": "-1"}, env={})
+
+
+def test_decoder_process_and_its_deadline():
+    s = Settings.load(env={})
+    assert s.decoder_process is True and s.decode_timeout_s == 30.0
+    off = Settings.load({"decoder_process": "0", "decode_timeout_s": "2.5"}, env={})
+    assert off.decoder_process is False and off.decode_timeout_s == 2.5
+    assert Settings.load(env=off.environ()) == off
+    assert Settings.load(env={"KVCODEC_DECODER_PROCESS": "no"}).decoder_process is False
+    with pytest.raises(ConfigError, match="decoder_process must be 0 or 1"):
+        Settings.load({"decoder_process": "maybe"}, env={})
+    with pytest.raises(ConfigError, match="decode_timeout_s"):
+        Settings.load({"decode_timeout_s": "0"}, env={})

@@ -27,6 +27,7 @@ from . import BitstreamCoder
 DECODERS: Registry = Registry("hevc decoder")
 DECODERS.register("pyav", "kvcodec.bitstream.hevc:PyAVDecoder")
 DECODERS.register("nvdec", "kvcodec.bitstream.nvdec:NvdecDecoder")
+DECODERS.register("pyav-process", "kvcodec.bitstream.isolated:ProcessDecoder")
 
 
 class PyAVDecoder:

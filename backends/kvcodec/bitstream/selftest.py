@@ -199,13 +199,15 @@ def verify(decoder: Any, directory: Path = REFERENCE_DIR) -> Dict[str, Result]:
     return {name: verify_one(decoder, entries.get(name) or {}, directory) for name in PROFILES}
 
 
-def open_decoder(name: str, *, threads: int = 1, gpu_id: int = 0, device_output: bool = False) -> Any:
+def open_decoder(name: str, *, threads: int = 1, gpu_id: int = 0, device_output: bool = False,
+                 timeout_s: float = 30.0) -> Any:
     """Decoder ``name`` of ``hevc.DECODERS``, given the options its class takes (``threads`` for
-    PyAV, ``gpu_id`` and ``device_output`` for NVDEC). Raises ``Unsupported`` if it cannot be made."""
+    PyAV, ``gpu_id`` and ``device_output`` for NVDEC, ``timeout_s`` for ``pyav-process``). Raises
+    ``Unsupported`` if it cannot be made."""
     from .hevc import DECODERS
 
     cls = DECODERS.get(name)
-    offered = {"threads": threads, "gpu_id": gpu_id, "device_output": device_output}
+    offered = {"threads": threads, "gpu_id": gpu_id, "device_output": device_output, "timeout_s": timeout_s}
     params = inspect.signature(cls).parameters
     try:
         return cls(**{k: v for k, v in offered.items() if k in params})
@@ -214,17 +216,23 @@ def open_decoder(name: str, *, threads: int = 1, gpu_id: int = 0, device_output:
 
 
 class VerifiedDecoders:
-    """The HEVC decoder of one ``ChunkDecoder``, made once and self-tested per stream profile."""
+    """The HEVC decoder of one ``ChunkDecoder``, made once and self-tested per stream profile.
+    ``isolate``: PyAV runs in a process of its own (``pyav-process``, ``bitstream.isolated``),
+    each chunk within ``timeout_s``."""
 
     def __init__(self, name: str = "pyav", *, threads: int = 1, gpu_id: int = 0, device_output: bool = False,
-                 directory: Path = REFERENCE_DIR) -> None:
+                 directory: Path = REFERENCE_DIR, isolate: bool = False, timeout_s: float = 30.0) -> None:
         self.name = name
         self.decoders: Dict[str, Any] = {}  # registry name -> decoder, in order of preference
         self.results: Dict[str, Dict[str, Result]] = {}  # registry name -> profile -> result
         self.unavailable: Dict[str, str] = {}  # registry name -> why it could not be made
-        for candidate in (["nvdec", "pyav"] if name == "auto" else [name]):
+        candidates = ["nvdec", "pyav"] if name == "auto" else [name]
+        if isolate:
+            candidates = ["pyav-process" if c == "pyav" else c for c in candidates]
+        for candidate in candidates:
             try:
-                decoder = open_decoder(candidate, threads=threads, gpu_id=gpu_id, device_output=device_output)
+                decoder = open_decoder(candidate, threads=threads, gpu_id=gpu_id, device_output=device_output,
+                                       timeout_s=timeout_s)
             except Unsupported as exc:
                 self.unavailable[candidate] = str(exc)
                 continue

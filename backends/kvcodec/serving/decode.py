@@ -39,7 +39,7 @@ import numpy as np
 from ..bitstream import BitstreamCoder
 from ..bitstream.selftest import VerifiedDecoders, host_array, stream_profile
 from ..encode import PAYLOAD, make_coder, planes_digest
-from ..errors import ChunkError, CorruptChunk, ForeignChunk, KVCodecError
+from ..errors import ChunkError, CorruptChunk, DecodeTimeout, ForeignChunk, KVCodecError
 from ..format import container
 from ..format.auth import ChunkAuth
 from ..format.codecs import SCHEMES
@@ -62,6 +62,8 @@ class Decoded:
 
 
 def status_of(exc: Exception) -> str:
+    if isinstance(exc, DecodeTimeout):
+        return "timeout"
     return "foreign" if isinstance(exc, ForeignChunk) else "corrupt" if isinstance(exc, ChunkError) else "error"
 
 
@@ -71,11 +73,13 @@ class ChunkDecoder:
 
     def __init__(self, model_id: str, *, auth: ChunkAuth, decoder: str = "pyav", threads: int = 1,
                  geometry: Optional[Geometry] = None, selftest: bool = False, gpu_id: int = 0,
-                 device_output: bool = False) -> None:
+                 device_output: bool = False, isolate: bool = False, decode_timeout_s: float = 30.0) -> None:
         """``geometry``: the KV geometry of one chunk of this model (its card's, at the chunk size);
         a chunk of another geometry is foreign, refused before anything is allocated for it.
         ``selftest``: one HEVC decoder, self-tested now (see the module's docstring); ``gpu_id``
-        and ``device_output`` (which implies ``selftest``) are NVDEC's."""
+        and ``device_output`` (which implies ``selftest``) are NVDEC's; ``isolate`` and
+        ``decode_timeout_s``: the self-tested PyAV decoder runs in a process of its own, each chunk
+        within the deadline (``bitstream.isolated``)."""
         self.model_id = model_id
         self.auth = auth
         self.geometry = geometry
@@ -83,7 +87,8 @@ class ChunkDecoder:
         self._codecs: Dict[str, BitstreamCoder] = {}
         self._video: Optional[VerifiedDecoders] = None
         if selftest or device_output:
-            self._video = VerifiedDecoders(decoder, threads=threads, gpu_id=gpu_id, device_output=device_output)
+            self._video = VerifiedDecoders(decoder, threads=threads, gpu_id=gpu_id, device_output=device_output,
+                                           isolate=isolate, timeout_s=decode_timeout_s)
         self._trusted: Set[Tuple[str, Tuple[int, ...]]] = set()  # (profile, shape) checked once on the host
 
     @property
@@ -179,7 +184,8 @@ class DecodeStep:
 
     def __init__(self, model_id: str, *, auth: ChunkAuth, decoder: str = "pyav", threads: int = 1,
                  geometry: Optional[Geometry] = None, **options: Any) -> None:
-        """``options``: ``ChunkDecoder``'s ``selftest``, ``gpu_id``, ``device_output``."""
+        """``options``: ``ChunkDecoder``'s ``selftest``, ``gpu_id``, ``device_output``, ``isolate``,
+        ``decode_timeout_s``."""
         self.decoder = ChunkDecoder(model_id, auth=auth, decoder=decoder, threads=threads, geometry=geometry,
                                     **options)
 

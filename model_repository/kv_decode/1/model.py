@@ -5,7 +5,9 @@ empty; the header (checked once here) as JSON in ``chunk_header``, the side sect
 
 The HEVC decoder is made once, in ``initialize``, on the instance's device (``KIND_GPU``: the GPU
 ``model_instance_device_id``, NVDEC's output kept in device memory; else the CPU), and self-tested
-there on the reference stream of every stream profile (``kvcodec.bitstream.selftest``; the result
+there on the reference stream of every stream profile; PyAV runs in a process of its own
+(``decoder_process``, on by default: a crash or a hang in FFmpeg is a miss for that chunk, each
+chunk within ``decode_timeout_s``; ``kvcodec.bitstream.isolated``), self-tested (``kvcodec.bitstream.selftest``; the result
 goes to the server log). On a GPU, planes of a verified decoder leave through DLPack, never
 copied to the host (``kvcodec.serving.decode`` says which planes skip the host digest).
 """
@@ -46,7 +48,8 @@ class TritonPythonModel:
         on_gpu = device.type == "cuda"
         self.step = DecodeStep(card.model_id, auth=load_auth(self.settings.key_file), decoder=self.settings.decoder,
                                threads=max(1, self.settings.threads), geometry=card.geometry(self.settings.chunk_tokens),
-                               selftest=True, gpu_id=device.index if on_gpu else 0, device_output=on_gpu)
+                               selftest=True, gpu_id=device.index if on_gpu else 0, device_output=on_gpu,
+                               isolate=self.settings.decoder_process, decode_timeout_s=self.settings.decode_timeout_s)
         decoder = self.step.decoder
         message = (f"kv_decode on {device}: decoder {self.settings.decoder} self-test: "
                    f"{json.dumps(decoder.selftest_results, sort_keys=True)}")
