@@ -43,7 +43,7 @@ def _decode_all(data: bytes):
 
 def test_registry_names_the_codecs():
     assert CODERS.names() == ["ans", "hevc", "identity", "zstd"]
-    assert DECODERS.names() == ["nvdec", "pyav"]
+    assert DECODERS.names() == ["nvdec", "pyav", "pyav-process"]
     with pytest.raises(Unsupported, match="ans, hevc, identity, zstd"):
         CODERS.get("av1")
 
