@@ -128,11 +128,14 @@ clean:
 	rm -rf $(VENV) .venv-vllm .cache
 
 # x265 settings on the video rung's planes (speed, bytes, KV error, KL at QP 7) and the ingest rate
-# per rung, serial and with two chunk workers (perf/encode_speed.py): perf/results/encode_speed.json.
+# per rung, serial and with two chunk workers (perf/encode_speed.py): perf/results/encode_speed.json;
+# then whole ingests of video and video-fast, one and two chunks at a time: encode_video_ingest.json.
 .PHONY: bench-encode
 bench-encode: setup
 	$(BIN)/python -m perf.encode_speed --rounds 2 --kl nosao-info0,ctu16-info0,ctu16-nosao-info0 \
 		--json perf/results/encode_speed.json
+	$(BIN)/python -m perf.encode_speed --video-ingest video@1,video@2,video-fast@1,video-fast@2 --chunks 8 \
+		--rounds 2 --json perf/results/encode_video_ingest.json
 
 # Hostile chunks against the read path (perf/fuzz.py): 100k seeded cases, zero untyped errors and
 # zero hangs, or it fails; perf/results/fuzz.json. The unit tests run a short form.
