@@ -214,9 +214,11 @@ def plot(summary: List[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for codec in dict.fromkeys(s["codec"] for s in summary):
+    colours = plt.get_cmap("tab20").colors  # one colour per codec (the default cycle has 10)
+    for i, codec in enumerate(dict.fromkeys(s["codec"] for s in summary)):
         pts = sorted((s["ratio_vs_fp16"], max(s["mean_kl"], 1e-6)) for s in summary if s["codec"] == codec)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=codec)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^Dv"[i % 5], color=colours[(2 * i) % 20 + (i // 10)],
+                label=codec)
     ax.axhline(KL_GATE, color="grey", linestyle="--", linewidth=1)
     ax.text(ax.get_xlim()[0], KL_GATE * 1.1, " quality gate (mean KL 0.01)", color="grey", fontsize=8)
     ax.set_yscale("log")
