@@ -5,10 +5,10 @@ empty; the header (checked once here) as JSON in ``chunk_header``, the side sect
 
 The HEVC decoder is made once, in ``initialize``, on the instance's device (``KIND_GPU``: the GPU
 ``model_instance_device_id``, NVDEC's output kept in device memory; else the CPU), and self-tested
-there on the reference stream of every stream profile; PyAV runs in a process of its own
-(``decoder_process``, on by default: a crash or a hang in FFmpeg is a miss for that chunk, each
-chunk within ``decode_timeout_s``; ``kvcodec.bitstream.isolated``), self-tested (``kvcodec.bitstream.selftest``; the result
-goes to the server log). On a GPU, planes of a verified decoder leave through DLPack, never
+there on the reference stream of every stream profile (``kvcodec.bitstream.selftest``; the result
+goes to the server log). PyAV runs in a process of its own (``decoder_process``, on by default;
+``kvcodec.bitstream.isolated``): a crash or a hang in FFmpeg is a miss for that one chunk, each
+chunk within ``decode_timeout_s``. On a GPU, planes of a verified decoder leave through DLPack, never
 copied to the host (``kvcodec.serving.decode`` says which planes skip the host digest).
 """
 import json
