@@ -101,9 +101,7 @@ class Settings:
         decoder = raw("decoder") or "pyav"
         if decoder not in DECODER_CHOICES:
             raise ConfigError(f"decoder must be one of {', '.join(DECODER_CHOICES)}, got {decoder!r}")
-        adaptive = (raw("adaptive") or "1").lower()
-        if adaptive not in ("0", "1", "true", "false", "yes", "no"):
-            raise ConfigError(f"adaptive must be 0 or 1, got {adaptive!r}")
+        adaptive = _bool("adaptive", raw("adaptive") or "1")
         link_mbps = _float("link_mbps", raw("link_mbps") or "1000", minimum=0.001)
         deadline_s = _float("deadline_s", raw("deadline_s") or "0", minimum=0.0)
         key_file = Path(raw("key_file") or home / "chunk.key").expanduser().resolve()
@@ -118,7 +116,7 @@ class Settings:
         if engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
-                   adaptive in ("1", "true", "yes"), link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
+                   adaptive, link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
                    ingest_workers, decoder_process, decode_timeout_s)
 
     def environ(self) -> dict:
