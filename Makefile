@@ -100,16 +100,16 @@ eval: setup
 # + tc; else the userspace shaper); writes perf/results/perf_analyzer.json.
 .PHONY: perf
 perf: setup
-	$(BIN)/python perf/run_perf.py --bandwidth-mbps 100,1000,10000
+	$(BIN)/python -m kvcodec_tools.run_perf --bandwidth-mbps 100,1000,10000
 
 # Per-chunk time of kv_decode -> kv_restore -> llm's gather on real KV, against the run before the
 # request-path restructure (perf/results/chunk_path_before.json): perf/results/chunk_path.json.
 .PHONY: chunkbench
 chunkbench: setup
-	$(BIN)/python -m perf.chunkbench --json perf/results/chunk_path.json --before perf/results/chunk_path_before.json
+	$(BIN)/python -m kvcodec_tools.chunkbench --json perf/results/chunk_path.json --before perf/results/chunk_path_before.json
 
 # 5 minutes of 8 clients (gRPC+HTTP, reuse on/off) per engine; fails on an error or growth of RSS,
-# shared memory, fds or processes (perf/soak.py): perf/results/reliability{,-vllm}.json and plots.
+# shared memory, fds or processes (perf/kvcodec_tools/soak.py): perf/results/reliability{,-vllm}.json and plots.
 .PHONY: soak
 soak: setup
 	$(MAKE) setup-vllm
@@ -128,17 +128,17 @@ clean:
 	rm -rf $(VENV) .venv-vllm .cache
 
 # x265 settings on the video rung's planes (speed, bytes, KV error, KL at QP 7) and the ingest rate
-# per rung, serial and with two chunk workers (perf/encode_speed.py): perf/results/encode_speed.json;
+# per rung, serial and with two chunk workers (perf/kvcodec_tools/encode_speed.py): perf/results/encode_speed.json;
 # then whole ingests of video and video-fast, one and two chunks at a time: encode_video_ingest.json.
 .PHONY: bench-encode
 bench-encode: setup
-	$(BIN)/python -m perf.encode_speed --rounds 2 --kl nosao-info0,ctu16-info0,ctu16-nosao-info0 \
+	$(BIN)/python -m kvcodec_tools.encode_speed --rounds 2 --kl nosao-info0,ctu16-info0,ctu16-nosao-info0 \
 		--json perf/results/encode_speed.json
-	$(BIN)/python -m perf.encode_speed --video-ingest video@1,video@2,video-fast@1,video-fast@2 --chunks 8 \
+	$(BIN)/python -m kvcodec_tools.encode_speed --video-ingest video@1,video@2,video-fast@1,video-fast@2 --chunks 8 \
 		--rounds 2 --json perf/results/encode_video_ingest.json
 
-# Hostile chunks against the read path (perf/fuzz.py): 100k seeded cases, zero untyped errors and
+# Hostile chunks against the read path (perf/kvcodec_tools/fuzz.py): 100k seeded cases, zero untyped errors and
 # zero hangs, or it fails; perf/results/fuzz.json. The unit tests run a short form.
 .PHONY: fuzz
 fuzz: setup
-	$(BIN)/python -m perf.fuzz --cases 100000 --seed 0 --json perf/results/fuzz.json
+	$(BIN)/python -m kvcodec_tools.fuzz --cases 100000 --seed 0 --json perf/results/fuzz.json

@@ -21,9 +21,9 @@ from kvcodec.engines.tokenizer import Tokenizer
 from kvcodec.format.codecs import get_scheme
 from kvcodec.format.keys import chunk_keys
 from kvcodec.settings import Settings
-from perf.ports import free_ports  # noqa: F401  (test_serve imports it from here)
-from perf.texts import cut_to_tokens, stdlib_text
-from perf.tritonserver import Ports, TritonServer
+from kvcodec_tools.ports import free_ports  # noqa: F401  (test_serve imports it from here)
+from kvcodec_tools.texts import cut_to_tokens, stdlib_text
+from kvcodec_tools.tritonserver import Ports, TritonServer
 
 REPO = Path(__file__).resolve().parents[2]
 KVCODEC = str(Path(sys.executable).parent / "kvcodec")

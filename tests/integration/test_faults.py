@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 
 from kvcodec_client import ClientError, KVCodecClient
-from perf.ports import free_ports
-from perf.procs import alive
-from perf.soak import descendants, read_proc, sample_tree, stub_pids
-from perf.tritonserver import MODELS, Ports, TritonServer
+from kvcodec_tools.ports import free_ports
+from kvcodec_tools.procs import alive
+from kvcodec_tools.soak import descendants, read_proc, sample_tree, stub_pids
+from kvcodec_tools.tritonserver import MODELS, Ports, TritonServer
 
 from .conftest import REPO, cli, ingested_home, text_of
 
@@ -203,7 +203,7 @@ def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, 
     connections and never answers), each request gives the prefill tokens within the fetch deadline
     plus its prefill, and reuse comes back once it runs again; stopped (connection refused), the
     same answer at once; the server stays healthy throughout."""
-    from perf.services.redis import RedisServer
+    from kvcodec_tools.services.redis import RedisServer
 
     redis = RedisServer(tmp_path / "redis", "127.0.0.1", free_ports(1)[0], "faults-pw").start()
     try:
@@ -456,11 +456,11 @@ WATCHDOG_DEADLINE_S = 90.0  # from the kill to an answer again
 
 @pytest.mark.timeout(600)
 def test_a_watchdog_restarts_the_server_when_a_stub_dies(own):
-    """The same SIGKILL to the kv_decode stub, on a server under ``perf.watchdog.Watchdog``: it sees
+    """The same SIGKILL to the kv_decode stub, on a server under ``kvcodec_tools.watchdog.Watchdog``: it sees
     the stub a zombie, stops the whole server (its process group goes) and starts it again on the
     same ports; within the deadline a request is answered again, tokens equal to before and the
     stored chunks reused; one restart counted; the new server's tree holds no zombie."""
-    from perf.watchdog import Watchdog
+    from kvcodec_tools.watchdog import Watchdog
 
     local, ids = own
     with own_server(local, "watchdog") as (server, _metrics):
@@ -503,7 +503,7 @@ def test_a_request_in_flight_when_its_decoder_crashes_gets_the_prefill_answer(ow
     without the stored KV until the restarted server answers: the tokens of the model's own
     prefill, within the watchdog's deadline, the failure reported in ``failures`` and
     ``stats["client_fallback"]``. The next request reuses the stored chunks again."""
-    from perf.watchdog import Watchdog
+    from kvcodec_tools.watchdog import Watchdog
 
     local, ids = own
     with own_server(local, "decoder-crash") as (server, metrics):

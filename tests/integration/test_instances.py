@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 
 from kvcodec_client import KVCodecClient
-from kvcodec_client.repository import render
-from perf.ports import free_ports
-from perf.soak import stub_pids
-from perf.tritonserver import Ports, TritonServer
+from kvcodec_tools.ports import free_ports
+from kvcodec_tools.repository import render
+from kvcodec_tools.soak import stub_pids
+from kvcodec_tools.tritonserver import Ports, TritonServer
 
 from .conftest import REPO, ingested_home, text_of
 from .test_faults import own_server, pending
@@ -72,7 +72,7 @@ def test_several_instances_of_each_step_answer_concurrent_clients_as_alone(scale
 def test_llm_as_several_instances_does_not_load(settings, tmp_path):
     """Rendering refuses ``llm=2`` (unit-tested); a repository edited by hand to two llm instances
     makes the llm model refuse to load, so the server does not start, and its log says why."""
-    from perf.procs import ServiceError
+    from kvcodec_tools.procs import ServiceError
 
     repository = render(REPO / "model_repository", tmp_path / "repository", "cpu")
     config = repository / "llm" / "config.pbtxt"

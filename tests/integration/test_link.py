@@ -1,4 +1,4 @@
-"""Throttled links (perf.shaping): the achieved rate, the added delay and the teardown, in both
+"""Throttled links (kvcodec_tools.shaping): the achieved rate, the added delay and the teardown, in both
 modes. Netns tests need root (CI runs as root); they skip, saying so, only when not root."""
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from perf.shaping import byte_source, main, measure, open_link
+from kvcodec_tools.shaping import byte_source, main, measure, open_link
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

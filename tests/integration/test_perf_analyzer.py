@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from perf.make_inputs import make_inputs
-from perf.perf_analyzer import Target, ensure_perf_analyzer, perf_analyzer_version, run_targets, write_results
+from kvcodec_tools.make_inputs import make_inputs
+from kvcodec_tools.perf_analyzer import Target, ensure_perf_analyzer, perf_analyzer_version, run_targets, write_results
 
 from .conftest import ingest_text, text_of
 
@@ -53,7 +53,7 @@ def test_perf_analyzer_ttft_reuse_and_prefill(server, settings, tokenizer, perf_
 
 
 def test_make_perf_script_across_a_throttled_link(settings, tokenizer, perf_analyzer, tmp_path):
-    """perf/run_perf.py as `make perf` runs it, on a tiny context and one link rate."""
+    """perf/kvcodec_tools/run_perf.py as `make perf` runs it, on a tiny context and one link rate."""
     import subprocess
     import sys
 
@@ -62,7 +62,7 @@ def test_make_perf_script_across_a_throttled_link(settings, tokenizer, perf_anal
     source = tmp_path / "tiny.py"
     source.write_text(text_of(tokenizer, "textwrap.py", 300))
     out = tmp_path / "perf_analyzer.json"
-    proc = subprocess.run([sys.executable, str(REPO / "perf" / "run_perf.py"), "--home", str(tmp_path / "home"),
+    proc = subprocess.run([sys.executable, str(REPO / "perf" / "kvcodec_tools" / "run_perf.py"), "--home", str(tmp_path / "home"),
                            "--model-cache", str(settings.model_cache), "--text-file", str(source),
                            "--max-tokens", "2", "--request-count", "2", "--bandwidth-mbps", "1000",
                            "--output", str(out)], capture_output=True, text=True, timeout=840)
@@ -85,6 +85,6 @@ def test_make_perf_script_refuses_bad_rates(tmp_path):
 
     from .conftest import REPO
 
-    proc = subprocess.run([sys.executable, str(REPO / "perf" / "run_perf.py"), "--bandwidth-mbps", "0,fast",
+    proc = subprocess.run([sys.executable, str(REPO / "perf" / "kvcodec_tools" / "run_perf.py"), "--bandwidth-mbps", "0,fast",
                            "--home", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Mbit/s" in proc.stderr

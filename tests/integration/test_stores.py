@@ -14,9 +14,9 @@ from kvcodec.errors import StoreUnavailable
 from kvcodec.store import open_store
 from kvcodec.store.fs import FileStore
 from kvcodec.store.http import HttpStore
-from perf.ports import free_port, free_port_run
-from perf.services.nginx import NginxStore
-from perf.services.redis import RedisCluster, RedisServer
+from kvcodec_tools.ports import free_port, free_port_run
+from kvcodec_tools.services.nginx import NginxStore
+from kvcodec_tools.services.redis import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.integration
 

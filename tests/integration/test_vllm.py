@@ -19,8 +19,8 @@ from kvcodec.format import container  # noqa: E402
 from kvcodec.format.auth import ChunkAuth, load_auth  # noqa: E402
 from kvcodec.settings import Settings  # noqa: E402
 from kvcodec_client import KVCodecClient  # noqa: E402
-from perf.ports import free_ports  # noqa: E402
-from perf.tritonserver import Ports, TritonServer  # noqa: E402
+from kvcodec_tools.ports import free_ports  # noqa: E402
+from kvcodec_tools.tritonserver import Ports, TritonServer  # noqa: E402
 
 from .conftest import REPO, chunk_path, cli, replaced, text_of  # noqa: E402
 

@@ -43,8 +43,8 @@ THETA = 100000.0
 
 def structured_kv(seed: int, layers: int = LAYERS, heads: int = KV_HEADS, tokens: int = TOKENS,
                   dim: int = HEAD_DIM, token_start: int = 0) -> np.ndarray:
-    """KV whose vectors lie mostly in a few directions (``perf.fuzz.structured_kv``)."""
-    from perf.fuzz import structured_kv as make
+    """KV whose vectors lie mostly in a few directions (``kvcodec_tools.fuzz.structured_kv``)."""
+    from kvcodec_tools.fuzz import structured_kv as make
 
     return make(seed, layers, heads, tokens, dim, token_start, THETA)
 
@@ -54,7 +54,7 @@ def tiny_profile(tmp_path_factory):
     """A codec profile ``tiny-v1`` for the synthetic geometry, fitted on structured KV, found
     through ``KVCODEC_PROFILE_DIR`` for the whole session. Yields its directory."""
     d = tmp_path_factory.mktemp("profiles")
-    from perf.fuzz import synthetic_profile
+    from kvcodec_tools.fuzz import synthetic_profile
 
     samples = [(structured_kv(s, token_start=s * 256), s * 256) for s in range(4)]
     save_profile(synthetic_profile(samples, THETA), d / f"{TINY_PROFILE}.npz")

@@ -1,4 +1,4 @@
-"""perf/chunkbench.py's measurement core on synthetic KV (no model): every stage is timed, and the KV that
+"""perf/kvcodec_tools/chunkbench.py's measurement core on synthetic KV (no model): every stage is timed, and the KV that
 crosses the emulated Triton wire (kv_decode's tensors -> kv_restore -> llm's gather) is the KV the library
 restores directly from the chunk."""
 import numpy as np
@@ -10,7 +10,7 @@ from kvcodec.format.keys import chunk_keys
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import restore
-from perf.chunkbench import ServingPath, measure_chunks, table
+from kvcodec_tools.chunkbench import ServingPath, measure_chunks, table
 
 from .conftest import AUTH
 

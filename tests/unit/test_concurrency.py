@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvcodec_client.cli import build_parser
-from perf.concurrency import (
+from kvcodec_tools.cli import build_parser
+from kvcodec_tools.concurrency import (
     ConcurrencyConfig,
     Sample,
     add_speedups,

@@ -243,7 +243,7 @@ def test_workers_default_and_setting(monkeypatch):
 
 
 def test_video_ingest_times_whole_ingests_per_rung_and_workers():
-    from perf.encode_speed import video_ingest
+    from kvcodec_tools.encode_speed import video_ingest
 
     engine = ChunkEngine()
     engine.card = None  # unbound rungs: int8-zstd and raw need no codec profile

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from perf import fuzz
+from kvcodec_tools import fuzz
 
 
 def test_a_short_fuzz_run_finds_nothing():

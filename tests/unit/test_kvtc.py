@@ -1,6 +1,6 @@
 """Bits where the model looks: the bit allocation (``layout.allocation``), the KVTC-style layout
 (``kvtc``), the transform layouts' ``weighted`` and ``alloc`` parameters, weighted codec profiles,
-and the sensitivity fit (``perf.quality.sensitivity``) on a tiny random Llama."""
+and the sensitivity fit (``kvcodec_tools.quality.sensitivity``) on a tiny random Llama."""
 from __future__ import annotations
 
 import itertools
@@ -203,7 +203,7 @@ def test_a_profile_with_bad_weights_is_refused(tiny_profile, tmp_path):
 # --- the sensitivity fit on a tiny random Llama (transformers, CPU) ---
 
 class TinyEngine:
-    """What ``perf.quality.sensitivity`` uses of an engine, on a 2-layer random Llama."""
+    """What ``kvcodec_tools.quality.sensitivity`` uses of an engine, on a 2-layer random Llama."""
 
     def __init__(self):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -223,7 +223,7 @@ class Basis:
 
 
 def test_component_gains_follow_the_queries_and_the_output_projection():
-    from perf.quality.sensitivity import component_gains, query_pair_energy
+    from kvcodec_tools.quality.sensitivity import component_gains, query_pair_energy
 
     engine = TinyEngine()
     ids = list(range(1, 40))
@@ -249,7 +249,7 @@ def test_component_gains_follow_the_queries_and_the_output_projection():
 
 
 def test_layer_lambdas_find_the_layer_the_output_reads():
-    from perf.quality.sensitivity import layer_lambdas
+    from kvcodec_tools.quality.sensitivity import layer_lambdas
 
     class ReadsLayer1Values:
         """Logits from the mean of layer 1's values only: noise elsewhere changes nothing."""

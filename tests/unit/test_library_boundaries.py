@@ -27,7 +27,7 @@ def _imports(path: Path) -> set:
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(LIBRARY)))
 def test_no_process_management_no_tooling_and_triton_only_at_the_edge(path):
     imports = _imports(path) - PROCESS_OWNERS.get(str(path.relative_to(LIBRARY)), set())
-    assert not imports & {"subprocess", "signal", "multiprocessing", "perf", "kvcodec_client"}, imports
+    assert not imports & {"subprocess", "signal", "multiprocessing", "perf", "kvcodec_tools", "kvcodec_client"}, imports
     if path.relative_to(LIBRARY).parts[0] != "triton":
         assert not imports & {"triton_python_backend_utils", "tritonclient"}, imports
     source = path.read_text()
@@ -47,3 +47,22 @@ def test_each_ensemble_step_has_its_module():
 def test_the_process_owners_are_what_they_say():
     for name, allowed in PROCESS_OWNERS.items():
         assert (LIBRARY / name).is_file() and allowed <= _imports(LIBRARY / name), name
+
+
+CLIENT = LIBRARY.parents[1] / "clients" / "kvcodec_client"
+
+
+@pytest.mark.parametrize("path", sorted(CLIENT.rglob("*.py")), ids=lambda p: p.name)
+def test_the_client_imports_nothing_of_the_tools(path):
+    """Imports go one way: tools -> client -> library. A client that imports the benches is no
+    longer a library someone can depend on."""
+    assert not _imports(path) & {"perf", "kvcodec_tools", "subprocess"}, _imports(path)
+
+
+def test_no_top_level_package_is_named_perf():
+    """The tools are a package named for this project (``kvcodec_tools``), not ``perf``, a name that
+    collides in users' environments."""
+    root = LIBRARY.parents[1]
+    assert not (root / "perf" / "__init__.py").exists()
+    assert (root / "perf" / "kvcodec_tools" / "__init__.py").is_file()
+    assert 'kvcodec = "kvcodec_tools.cli:main"' in (root / "pyproject.toml").read_text()

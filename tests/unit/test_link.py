@@ -1,7 +1,7 @@
 """Throttled-link maths without sockets: the userspace proxy's token bucket and parameters."""
 import pytest
 
-from perf.shaping import TokenBucket, open_link, proxy_params, tbf_params
+from kvcodec_tools.shaping import TokenBucket, open_link, proxy_params, tbf_params
 
 
 def test_bucket_burst_then_rate():

@@ -11,7 +11,7 @@ from tritonclient.grpc import model_config_pb2
 from kvcodec.engines import ModelCard
 from kvcodec.errors import ConfigError, Unsupported
 from kvcodec.settings import TRITON_OWN_PARAMETERS, Settings
-from kvcodec_client.repository import (
+from kvcodec_tools.repository import (
     ON_GPU,
     TRTLLM_CONFIG_FILE,
     TRTLLM_MODEL,
@@ -21,7 +21,7 @@ from kvcodec_client.repository import (
     trtllm_card,
     trtllm_settings,
 )
-from kvcodec_client.repository import configs as variant_configs
+from kvcodec_tools.repository import configs as variant_configs
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
 ENSEMBLE = "kvcodec"
@@ -278,7 +278,7 @@ def test_the_trtllm_variant_runs_on_one_gpu():
 
 
 def test_the_cli_writes_a_variant(tmp_path):
-    from kvcodec_client.cli import build_parser, main
+    from kvcodec_tools.cli import build_parser, main
 
     args = build_parser().parse_args(["repository", "--variant", "trtllm", "--out", "x"])
     assert (args.variant, args.gpus) == ("trtllm", [0])
@@ -316,7 +316,7 @@ def test_instances_refused(instances, message):
 
 
 def test_instances_parse_from_the_command_line(tmp_path):
-    from kvcodec_client.cli import main
+    from kvcodec_tools.cli import main
 
     assert parse_instances("kv_decode=2, kv_restore=3,") == {"kv_decode": 2, "kv_restore": 3}
     for bad in ("kv_decode", "kv_decode=x", "kv_decode=-1"):

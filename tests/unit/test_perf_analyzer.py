@@ -1,4 +1,4 @@
-"""perf/perf_analyzer.py below the binary: TTFT from a real profile export, the instability check.
+"""perf/kvcodec_tools/perf_analyzer.py below the binary: TTFT from a real profile export, the instability check.
 
 Fixtures in ``data/perf_analyzer/`` were captured from perf_analyzer 2.51 against the kvcodec
 ensemble: ``reuse.profile.json`` (a reuse run's export, cut to 4 requests, input ids and stats
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from perf.make_inputs import input_data
-from perf.perf_analyzer import (
+from kvcodec_tools.make_inputs import input_data
+from kvcodec_tools.perf_analyzer import (
     PerfAnalyzerError,
     Target,
     UnstableMeasurement,
@@ -22,8 +22,8 @@ from perf.perf_analyzer import (
     summarize,
     ttfts_from_profile,
 )
-from perf.stats import percentile
-from perf.texts import cut_to_tokens
+from kvcodec_tools.stats import percentile
+from kvcodec_tools.texts import cut_to_tokens
 
 DATA = Path(__file__).parent / "data" / "perf_analyzer"
 

@@ -1,12 +1,12 @@
-"""``kvcodec rd``'s bookkeeping (perf.quality.rd): the per-setting summary, the quality gate, the
-best passing setting per codec; and the eval set it runs over (perf.quality.evalset)."""
+"""``kvcodec rd``'s bookkeeping (kvcodec_tools.quality.rd): the per-setting summary, the quality gate, the
+best passing setting per codec; and the eval set it runs over (kvcodec_tools.quality.evalset)."""
 from __future__ import annotations
 
 import pytest
 
 from kvcodec.errors import ConfigError
-from perf.quality import evalset
-from perf.quality.rd import DEFAULT_SETTINGS, best_passing, headline, match_task, plot, summarise
+from kvcodec_tools.quality import evalset
+from kvcodec_tools.quality.rd import DEFAULT_SETTINGS, best_passing, headline, match_task, plot, summarise
 
 
 def _row(text, setting, kl, top1, greedy, fp16=1000, stored=250):

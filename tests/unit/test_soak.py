@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvcodec_client.cli import build_parser
-from perf.soak import (
+from kvcodec_tools.cli import build_parser
+from kvcodec_tools.soak import (
     MODES,
     RSS_GROWTH_LIMIT,
     Outcome,

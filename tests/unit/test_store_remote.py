@@ -218,7 +218,7 @@ def test_http_keeps_one_connection_per_thread_and_survives_a_dropped_one(fake):
 
 
 def test_http_server_down_is_store_unavailable():
-    from perf.ports import free_port
+    from kvcodec_tools.ports import free_port
 
     s = HttpStore(f"http://127.0.0.1:{free_port()}/kv", connect_timeout_s=1)
     with pytest.raises(StoreUnavailable, match="unreachable"):
@@ -230,7 +230,7 @@ def test_http_server_down_is_store_unavailable():
 # -- service configs (no process started) -----------------------------------------------------------
 
 def test_nginx_config_guards_writes_and_stays_in_its_folder(tmp_path):
-    from perf.services.nginx import NginxStore
+    from kvcodec_tools.services.nginx import NginxStore
 
     srv = NginxStore(tmp_path, "127.0.0.1", 18080, "tok-12345678")
     assert srv.url == "http://127.0.0.1:18080/kv" and srv.pid is None
@@ -245,15 +245,15 @@ def test_nginx_config_guards_writes_and_stays_in_its_folder(tmp_path):
 
 @pytest.mark.parametrize("token", ["short", 'has"quote-xxxxx', "has space xxxxx", "semi;colon-xxxx", None])
 def test_nginx_rejects_tokens_it_cannot_quote(tmp_path, token):
-    from perf.procs import ServiceError
-    from perf.services.nginx import NginxStore
+    from kvcodec_tools.procs import ServiceError
+    from kvcodec_tools.services.nginx import NginxStore
 
     with pytest.raises(ServiceError, match="token"):
         NginxStore(tmp_path, "127.0.0.1", 1, token)
 
 
 def test_redis_service_urls_quote_the_password(tmp_path):
-    from perf.services.redis import RedisCluster, RedisServer
+    from kvcodec_tools.services.redis import RedisCluster, RedisServer
 
     one = RedisServer(tmp_path, "127.0.0.1", 7000, "a/b@c")
     assert one.url == "redis://:a%2Fb%40c@127.0.0.1:7000/0"
@@ -264,17 +264,17 @@ def test_redis_service_urls_quote_the_password(tmp_path):
 
 
 def test_wrap_is_applied_to_the_launched_command(tmp_path):
-    from perf.procs import Process
+    from kvcodec_tools.procs import Process
 
     p = Process("x", ["server", "--flag"], tmp_path / "log", wrap=lambda cmd: ["ip", "netns", "exec", "ns1", *cmd])
     assert p.cmd == ["ip", "netns", "exec", "ns1", "server", "--flag"]
 
 
 def test_a_missing_server_binary_is_an_error_naming_the_package(tmp_path, monkeypatch):
-    import perf.services as services
-    from perf.procs import ServiceError
-    from perf.services.nginx import NginxStore
-    from perf.services.redis import RedisServer
+    import kvcodec_tools.services as services
+    from kvcodec_tools.procs import ServiceError
+    from kvcodec_tools.services.nginx import NginxStore
+    from kvcodec_tools.services.redis import RedisServer
 
     monkeypatch.setattr(services.shutil, "which", lambda name: None)
     monkeypatch.setattr(services.os, "access", lambda path, mode: False)

@@ -1,4 +1,4 @@
-"""``kvcodec eval-task`` (perf.quality.task): seeded samples with the needle where they say, scoring,
+"""``kvcodec eval-task`` (kvcodec_tools.quality.task): seeded samples with the needle where they say, scoring,
 the Wilson interval, the lossless-in-accuracy rule, the chunk memo's counts, and the command's
 arguments and JSON on a stand-in engine (bytes as tokens, KV a function of the tokens so far)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from kvcodec.engines import ModelCard
 from kvcodec.errors import BadRequest, ConfigError
-from kvcodec_client import cli
-from perf.quality.task import (
+from kvcodec_tools import cli
+from kvcodec_tools.quality.task import (
     ChunkMemo,
     PasskeyTask,
     TaskConfig,

@@ -15,7 +15,7 @@ from kvcodec.profiles import load_profile, read_profile, save_profile
 from kvcodec.profiles.rope import rope, unrope
 from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import restore
-from perf.fuzz import synthetic_profile
+from kvcodec_tools.fuzz import synthetic_profile
 
 from .conftest import AUTH, THETA, TINY_PROFILE, on_tiny_profile, structured_kv
 

@@ -1,7 +1,7 @@
-"""``perf.watchdog``'s logic against a fake server (start, stop, alive, stubs: no tritonserver): a
+"""``kvcodec_tools.watchdog``'s logic against a fake server (start, stop, alive, stubs: no tritonserver): a
 dead or zombie stub is one restart, a server that exits is one too, a failed start is retried,
 the restart-storm guard gives up and stops the server, nothing restarts while all is alive, and
-the thread ends on ``stop()``. Then ``perf.tritonserver``'s stub listing against real child
+the thread ends on ``stop()``. Then ``kvcodec_tools.tritonserver``'s stub listing against real child
 processes of this test that look like stubs (their command line and name), killed into zombies.
 The thread's tests wait on events the fake sets, with timeouts: no sleeping and hoping."""
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvcodec_client.cli import build_parser
-from perf.tritonserver import STUB, Stub, stubs_of
-from perf.watchdog import Restart, Watchdog
+from kvcodec_tools.cli import build_parser
+from kvcodec_tools.tritonserver import STUB, Stub, stubs_of
+from kvcodec_tools.watchdog import Restart, Watchdog
 
 MODELS = ("kv_fetch", "kv_decode", "kv_restore", "llm")
 WAIT_S = 10.0  # the most any event below may take
@@ -230,7 +230,7 @@ def test_serve_has_the_watchdog_on_by_default():
     assert parser.parse_args(["serve", "--no-watchdog"]).watchdog is False
 
 
-# -- perf.tritonserver's stub listing, against processes that look like stubs ---------------------
+# -- kvcodec_tools.tritonserver's stub listing, against processes that look like stubs ---------------------
 @pytest.fixture
 def fake_stub(tmp_path):
     """A child of this process with a stub's command line (``triton_python_backend_stub MODEL.py

@@ -10,7 +10,7 @@ planes are ``uint16`` samples 0..1023; not monochrome). ``lossless=True`` gives 
 otherwise ``qp`` sets a constant quantizer. Frame order is the stream order (raw streams carry
 no timestamps). ``x265`` sets x265's coding tools (``"rd=2:info=0"``: ``TOOLS`` names those a scheme
 may set; what keeps every frame an intra picture is not among them), measured for speed, size
-and distortion by ``perf/encode_speed.py``.
+and distortion by ``perf/kvcodec_tools/encode_speed.py``.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ ENV_DEFAULTS = {
 def _utf8_locale() -> None:
     """An embedded interpreter (Triton's python stub) starts in the C locale, where ``open()``
     reads ASCII; torch, imported by vLLM, reads UTF-8 templates. Take the environment's locale
-    (``LANG``/``LC_ALL``, UTF-8 in ``perf.tritonserver``) or C.UTF-8 for text encoding."""
+    (``LANG``/``LC_ALL``, UTF-8 in ``kvcodec_tools.tritonserver``) or C.UTF-8 for text encoding."""
     import locale
 
     if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":

@@ -11,7 +11,7 @@ project's codec profile.
   ``bits / 100`` bits per coefficient on average is spent (the greedy order is optimal for these
   convex, decreasing distortion curves). Trailing components end at 0 bits: restored as the mean.
   ``weighted=1`` multiplies each variance by the profile's sensitivity weight first (the
-  components where the model looks get the bits; ``perf.quality.sensitivity``). The allocation is
+  components where the model looks get the bits; ``kvcodec_tools.quality.sensitivity``). The allocation is
   a function of the profile and the parameters, so it is never stored.
 - **Quantizer:** for ``b`` bits, a uniform midrise quantizer whose step is the mean-squared-error
   optimum of ``2**b`` levels for a Gaussian of the component's fitted standard deviation (Max,

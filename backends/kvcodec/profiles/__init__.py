@@ -44,7 +44,7 @@ class Profile:
     rms: np.ndarray  # float32 [layers, 2]: RMS of the centred data
     digest: str  # blake2b of the file
     # float32 [layers, 2, C] or None: how much an error on each component moves the model's output
-    # (``perf.quality.sensitivity``; geometric mean 1); weighted layouts step by 1 / sqrt(weight)
+    # (``kvcodec_tools.quality.sensitivity``; geometric mean 1); weighted layouts step by 1 / sqrt(weight)
     weight: Optional[np.ndarray] = None
 
     @property

@@ -1,7 +1,7 @@
 """HTTP store: ``http://HOST:PORT/PREFIX``, one object per chunk at ``/PREFIX/<key>.kvc``.
 
 The object layout is the filesystem store's, so a ``file://`` folder served by any web server
-(``perf.services.nginx`` runs one with WebDAV PUT/DELETE) is a store. Requests:
+(``kvcodec_tools.services.nginx`` runs one with WebDAV PUT/DELETE) is a store. Requests:
 
 - ``get``: ``GET`` (200 -> bytes, 404 -> ``None``); ``get_range``: ``GET`` with ``Range`` (206);
 - ``exists``: ``HEAD``; ``put``: ``PUT`` (the server writes a temporary file and renames it, so

@@ -1,0 +1,516 @@
+"""The ``kvcodec`` command: a thin dispatcher. The product library is ``kvcodec``; the client
+library is ``kvcodec_client`` (it imports nothing of these tools); serving, benchmarks and the
+quality harness are the tools of this package, ``kvcodec_tools`` (under ``perf/``: the
+tritonserver launcher, bench, demo, rd, eval). Imports go one way: tools -> client -> library.
+
+    kvcodec serve    [--engine E] [--store URL] [--ladder RUNGS] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+    kvcodec ingest   --text-file F [--codec RUNG[,RUNG...]] [--quality Q] [--store URL] [--engine E]
+    kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
+    kvcodec eval     --text-file F --prefix-tokens P --continuation-tokens C --codec NAME [--quality Q] [--json]
+    kvcodec rd       [--json perf/results/rd.json --plot perf/results/rd.png] (every codec over the eval set)
+    kvcodec eval-task --task passkey --codec RUNG[,RUNG...] --samples N --context-tokens T [--json] [--out FILE]
+    kvcodec profile fit [--out backends/kvcodec/profiles/smollm2-135m-v1.npz] [--tokens 2048]
+    kvcodec profile weigh --base smollm2-135m-v1 --out backends/kvcodec/profiles/smollm2-135m-v2.npz
+    kvcodec demo     [--json perf/results/demo.json]
+    kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
+    kvcodec bench concurrency [--engine E] --clients 1,4,8 --requests 4 [--json perf/results/concurrency.json]
+    kvcodec repository --variant cpu|gpu|trtllm --out DIR [--gpus 0] [--store URL] [--ladder RUNGS]
+    kvcodec soak     [--engine E] --clients 8 --duration-s 300 --protocols grpc,http [--json perf/results/reliability.json]
+
+Settings not given as flags come from ``KVCODEC_*`` variables, then defaults (see
+``kvcodec.settings``); the store defaults to ``file://./.cache/store``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+def _settings(args):
+    from kvcodec.settings import Settings
+
+    explicit = {"home": args.home, "store": args.store, "model_cache": args.model_cache}
+    for name in ("threads", "decoder", "ladder", "engine"):
+        if getattr(args, name, None) not in (None, ""):
+            explicit[name] = str(getattr(args, name))
+    return Settings.load(explicit)
+
+
+def _read_text(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"kvcodec: cannot read --text-file {path}: {exc}") from None
+    if not text.strip():
+        raise SystemExit(f"kvcodec: --text-file {path} is empty")
+    return text
+
+
+def cmd_serve(args) -> int:
+    from kvcodec import engines
+    from kvcodec_tools.tritonserver import Ports, TritonServer
+
+    settings = _settings(args)
+    engines.prepare(settings)
+    server = TritonServer(Path(args.model_repository), settings,
+                          Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host)
+    stopping, watching = [], []  # watching: non-empty while a watchdog runs (it may be restarting the server)
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+        if not watching:
+            server.terminate()  # the main thread's wait() returns, then stop() reaps everything
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start(timeout_s=args.timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        if stopping:
+            print("kvcodec serve: stopped before it was ready", flush=True)
+            return 0
+        print(f"kvcodec serve: {exc}", file=sys.stderr)
+        return 1
+    print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "
+          f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}"
+          f"{'; watchdog on' if args.watchdog else ''}", flush=True)
+    code = _serve_watched(server, stopping, watching, args.timeout) if args.watchdog else server.wait()
+    server.stop()
+    print("kvcodec serve: stopped", flush=True)
+    return 0 if stopping else code
+
+
+def _serve_watched(server, stopping: list, watching: list, start_timeout_s: float) -> int:
+    """Run a watchdog beside the ready server until a signal (``stopping``) or until the watchdog
+    gives up (its exit code). Once ``watching`` is marked, the signal handler only appends to
+    ``stopping``: the watchdog may be restarting the server, so this thread halts it first, then
+    ends a start under way."""
+    import logging
+
+    from kvcodec_tools.watchdog import Watchdog
+
+    logging.basicConfig(format="kvcodec serve: %(message)s")
+    watching.append(True)
+    watchdog = Watchdog(server, start_timeout_s=start_timeout_s).start()
+    while not stopping and watchdog.join(0.5):
+        pass
+    watchdog.halt()
+    while watchdog.running():
+        server.terminate()  # a start under way fails at once; the watchdog restarts nothing more
+        watchdog.join(0.5)
+    if watchdog.gave_up:
+        print(f"kvcodec serve: more than {watchdog.max_restarts} restarts within {watchdog.window_s:.0f} s; "
+              "stopped", file=sys.stderr)
+    return watchdog.exit_code or (0 if stopping else 1)  # 1 also when the watchdog itself failed
+
+
+def cmd_ingest(args) -> int:
+    from tqdm import tqdm
+
+    from kvcodec.engines import model_card, open_engine
+    from kvcodec.format.ladder import parse_ladder
+    from kvcodec.ingest import ingest_rungs
+
+    settings = _settings(args)
+    codec = args.codec or ",".join(settings.ladder)  # default: the rungs the server fetches from
+    if args.quality is not None:
+        if "," in codec:
+            raise SystemExit("kvcodec ingest: --quality takes one --codec; name rungs as NAME:QUALITY instead")
+        codec = f"{codec}:{args.quality}"
+    schemes = parse_ladder(codec, model_card(settings))  # bad names fail before the model loads
+    text = _read_text(args.text_file)
+    engine = open_engine(settings)
+    ids = engine.tokenize(text)
+    n_chunks = len(ids) // settings.chunk_tokens
+    if n_chunks == 0:
+        print(f"kvcodec ingest: {len(ids)} tokens is less than one chunk ({settings.chunk_tokens}); nothing stored",
+              file=sys.stderr)
+        return 1
+    with tqdm(total=n_chunks, unit="chunk", desc="ingest", disable=args.quiet) as bar:
+        report = ingest_rungs(settings, engine, ids, codec, progress=bar.update)
+    summary = {"tokens": report.tokens, "chunks": report.chunks, "written": report.written,
+               "bytes_written": report.bytes_written, "ratio_vs_fp16": round(report.ratio_vs_fp16, 3),
+               "prefill_s": round(report.prefill_s, 3), "encode_s": round(report.encode_s, 3),
+               "codec": schemes[0].identity if len(schemes) == 1 else [s.identity for s in schemes],
+               "rungs": {name: {"written": r.written, "bytes_written": r.bytes_written,
+                                "ratio_vs_fp16": round(r.ratio_vs_fp16, 3), "encode_s": round(r.encode_s, 3),
+                                "decode_s": round(r.decode_s, 3)} for name, r in report.rungs.items()},
+               "store": settings.store}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for name, r in report.rungs.items():
+            print(f"{name}: {r.written} chunks written, {r.bytes_written} bytes, {r.ratio_vs_fp16:.2f}x vs fp16")
+        print(f"ingested {report.tokens} tokens: {report.chunks} chunks into {settings.store}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from kvcodec.engines import tokenizer
+    from kvcodec_client.client import ClientError, KVCodecClient
+
+    settings = _settings(args)
+    ids = tokenizer(settings).encode(_read_text(args.text_file))
+    client = KVCodecClient(args.url, args.protocol, fallback_s=args.fallback_s)
+    try:
+        result = client.generate(ids, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs)
+    except (ClientError, ConnectionError, OSError) as exc:
+        print(f"kvcodec generate: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"tokens": result.tokens, "text": result.text, "ttft_s": round(result.ttft_s, 6),
+                          "reused_tokens": result.reused_tokens, "prompt_tokens": len(ids),
+                          "total_s": round(result.total_s, 6), "stats": result.stats,
+                          "failures": result.failures}))
+    else:
+        print(result.text)
+        print(f"\n[ttft {result.ttft_s:.3f} s, reused {result.reused_tokens}/{len(ids)} prompt tokens, "
+              f"{len(result.tokens)} tokens in {result.total_s:.3f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from kvcodec.engines import open_engine
+    from kvcodec.format.codecs import get_scheme
+    from kvcodec_tools.quality.evaluate import evaluate
+
+    settings = _settings(args)
+    engine = open_engine(settings)
+    scheme = get_scheme(args.codec, args.quality).for_card(engine.card)
+    ids = engine.tokenize(_read_text(args.text_file))
+    result = evaluate(engine, ids, args.prefix_tokens, args.continuation_tokens, scheme, settings.chunk_tokens)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(f"{scheme.name}: {result.ratio_vs_fp16:.2f}x vs fp16, top-1 {result.top1_agreement:.3f}, "
+              f"mean KL {result.mean_kl:.5f}, greedy {result.greedy_match_tokens}/{result.greedy_tokens}, "
+              f"encode {result.encode_s:.2f} s, decode {result.decode_s:.2f} s")
+    return 0
+
+
+def cmd_rd(args) -> int:
+    from kvcodec_tools.quality.rd import DEFAULT_SETTINGS, RdConfig, run_rd
+
+    settings = _settings(args)
+    config = RdConfig(settings=args.settings or DEFAULT_SETTINGS, prefix_tokens=args.prefix_tokens,
+                      continuation_tokens=args.continuation_tokens, workers=args.workers,
+                      decode_threads=args.decode_threads, texts=args.texts, chunk_tokens=settings.chunk_tokens,
+                      model_cache=str(settings.model_cache), engine=settings.engine)
+    return run_rd(config, Path(args.json), Path(args.plot) if args.plot else None,
+                  task_path=Path(args.task_json) if args.task_json else None)
+
+
+def cmd_eval_task(args) -> int:
+    from kvcodec.engines import open_engine
+    from kvcodec_tools.quality.task import TaskConfig, run_task
+
+    settings = _settings(args)
+    config = TaskConfig(task=args.task, codecs=args.codec, samples=args.samples, context_tokens=args.context_tokens,
+                        seed=args.seed, chunk_tokens=settings.chunk_tokens, threads=settings.threads or 1,
+                        answer_tokens=args.answer_tokens)
+    result = run_task(open_engine(settings), config)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        lo, hi = result["prefill_interval95"]
+        print(f"{result['task']}, {result['samples']} samples, {result['context_tokens']} context tokens: prefill "
+              f"{result['accuracy_prefill']:.3f} (95% {lo:.3f}-{hi:.3f}); {result['seconds']:.0f} s, "
+              f"{result['memo']['encodes_saved_share']:.0%} of chunk encodes saved")
+        for spec, r in result["codecs"].items():
+            print(f"  {spec}: {r['accuracy_codec']:.3f} at {r['ratio_vs_fp16']:.2f}x vs fp16, "
+                  f"{'lossless' if r['lossless_in_accuracy'] else 'NOT lossless'} in accuracy")
+    return 0
+
+
+def cmd_profile_fit(args) -> int:
+    from kvcodec_tools.quality.fit import fit_codec_profile
+
+    print(json.dumps(fit_codec_profile(_settings(args), args.tokens, Path(args.out) if args.out else None)))
+    return 0
+
+
+def cmd_profile_weigh(args) -> int:
+    from kvcodec_tools.quality.sensitivity import weigh_codec_profile
+
+    print(json.dumps(weigh_codec_profile(_settings(args), args.base, Path(args.out), args.exponent, args.texts)))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kvcodec_tools.demo import run_demo
+
+    return run_demo(_settings(args), Path(args.json), Path(args.model_repository), args.codec)
+
+
+def _list(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma list of {kind.__name__}: {text!r}") from None
+    return parse
+
+
+def cmd_bench_ttft(args) -> int:
+    from kvcodec_tools.bench import BenchConfig, run_bench
+
+    config = BenchConfig(args.bandwidth_mbps, args.context_tokens, args.methods, ladder=args.ladder, runs=args.runs,
+                         prefill_runs=args.prefill_runs, max_tokens=args.max_tokens, delay_ms=args.delay_ms,
+                         link_mode=args.link_mode, threads=args.threads if args.threads is not None else 2)
+    return run_bench(_settings(args), Path(args.model_repository), config, Path(args.json),
+                     Path(args.plot) if args.plot else None)
+
+
+def cmd_bench_concurrency(args) -> int:
+    from kvcodec_tools.concurrency import ConcurrencyConfig, run_concurrency
+
+    try:
+        config = ConcurrencyConfig(args.clients, requests=args.requests, context_tokens=args.context_tokens,
+                                   contexts=args.contexts, max_tokens=args.max_tokens,
+                                   threads=args.threads if args.threads is not None else 2)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec bench concurrency: {exc}") from None
+    return run_concurrency(_settings(args), Path(args.model_repository), config, Path(args.json),
+                           Path(args.plot) if args.plot else None)
+
+
+def cmd_soak(args) -> int:
+    from kvcodec_tools.soak import SoakConfig, run_soak
+
+    try:
+        config = SoakConfig(args.clients, args.duration_s, tuple(args.protocols), contexts=args.contexts,
+                            context_tokens=args.context_tokens, max_tokens=args.max_tokens,
+                            threads=args.threads if args.threads is not None else 2, sample_s=args.sample_s,
+                            warmup_s=args.warmup_s, window_s=args.window_s)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec soak: {exc}") from None
+    return run_soak(_settings(args), Path(args.model_repository), config, Path(args.json),
+                    Path(args.plot) if args.plot else None)
+
+
+def cmd_repository(args) -> int:
+    from kvcodec_tools.repository import TRTLLM_CONFIG_FILE, TRTLLM_MODEL, TRTLLM_MODEL_PY, parse_instances, render
+
+    settings = None
+    if args.variant == "trtllm":  # model.yaml names the project's converted model folder: make it ready
+        from kvcodec.engines import model_files
+
+        settings = _settings(args)
+        model_files.ensure_model(settings.model_cache)
+    out = render(Path(args.source), Path(args.out), args.variant, gpus=args.gpus, settings=settings,
+                 instances=parse_instances(args.instances or ""))
+    print(f"kvcodec repository: wrote the {args.variant} repository to {out}")
+    if args.variant == "trtllm":
+        version = out / TRTLLM_MODEL / "1"
+        print(f"  next: cp {TRTLLM_MODEL_PY}/model.py {TRTLLM_MODEL_PY}/helpers.py {version}/\n"
+              f"        export TRTLLM_KVCODEC_CONFIG={version / TRTLLM_CONFIG_FILE}\n"
+              f"        tritonserver --model-repository {out}   (docs/deploy-trtllm.md)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcodec", description="KV cache reuse through video codecs on Triton")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--home", help="folder for caches and logs (default ./.cache)")
+        p.add_argument("--store", help="store URL (default file://<home>/store)")
+        p.add_argument("--model-cache", help="folder of the converted model (default <home>/models)")
+        p.add_argument("--threads", type=int, help="torch / decoder threads (0: torch's default)")
+        p.add_argument("--engine", help="the engine that runs the model (default transformers; KVCODEC_ENGINE)")
+
+    p = sub.add_parser("serve", help="run tritonserver on the model repository in the foreground")
+    common(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"])
+    p.add_argument("--ladder", "--codecs", dest="ladder",
+                   help="comma list of rungs to fetch chunks from, in preference order (KVCODEC_LADDER)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
+    p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart the server when a python stub or the server dies (default on; at most 5 "
+                        "restarts in 300 s, then exit 1)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("ingest", help="prefill a text once and store its KV chunks")
+    common(p)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--codec",
+                   help="a rung spec NAME[:QUALITY], or a comma list of them (default: the server's ladder)")
+    p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("generate", help="ask the server to continue a text; prints text and TTFT")
+    common(p)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
+    p.add_argument("--no-reuse", action="store_true", help="force full prefill")
+    p.add_argument("--codecs", help="this request only: rung specs to fetch from (default: the server's ladder)")
+    p.add_argument("--fallback-s", type=float, default=60.0,
+                   help="after a server failure (a stub that died, a restart), ask again as prefill for this "
+                        "many seconds (0: report the failure)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="what a codec does to the model: top-1, KL, greedy match, ratio")
+    common(p)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--codec", default="video")
+    p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("ttft", help="TTFT of every method against link bandwidth (starts link, store, server)")
+    common(p)
+    from kvcodec_tools.bench import DEFAULT_LADDER, METHODS
+
+    p.add_argument("--bandwidth-mbps", type=_list(float), default=[100.0, 1000.0, 10000.0])
+    p.add_argument("--context-tokens", type=_list(int), default=[1024, 4096])
+    p.add_argument("--methods", type=_list(str), default=list(METHODS),
+                   help="prefill, kvcodec (the adaptive ladder), or a rung spec (raw, int8-zstd, cachegen, video, ...)")
+    p.add_argument("--ladder", default=DEFAULT_LADDER, help="the rungs the kvcodec method chooses from")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--prefill-runs", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay of the link")
+    p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "ttft.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "ttft.png"))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_bench_ttft)
+
+    p = bench.add_parser("concurrency", help="requests/s and TTFT against concurrent clients, reuse and prefill "
+                                             "(one server, file store; merges the engine's rows into the JSON)")
+    common(p)
+    p.add_argument("--clients", type=_list(int), default=[1, 4, 8], help="client counts (1, the baseline, is added)")
+    p.add_argument("--requests", type=int, default=4, help="requests per client, alternating reuse and prefill")
+    p.add_argument("--context-tokens", type=int, default=600)
+    p.add_argument("--contexts", type=int, default=3, help="different contexts the prompts are made of")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "concurrency.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "concurrency.png"))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_bench_concurrency)
+
+    p = sub.add_parser("soak", help="concurrent clients for a while (gRPC and HTTP, reuse and prefill), every answer "
+                                    "checked, the server's RSS, fds, shm and processes sampled; exits 1 on an "
+                                    "error or growth")
+    common(p)
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, shared out over the protocols")
+    p.add_argument("--duration-s", type=float, default=300.0)
+    p.add_argument("--protocols", type=_list(str), default=["grpc", "http"])
+    p.add_argument("--contexts", type=int, default=3, help="different contexts the prompts are made of")
+    p.add_argument("--context-tokens", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between footprint samples")
+    p.add_argument("--warmup-s", type=float, default=30.0, help="the first window starts after this")
+    p.add_argument("--window-s", type=float, default=60.0, help="growth: last window's median - first window's")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reliability.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "reliability.png"))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_soak)
+
+    p = sub.add_parser("repository", help="write a model repository variant derived from model_repository/: "
+                                          "cpu, gpu, or trtllm (TensorRT-LLM's LLM-API model with our connector)")
+    p.add_argument("--variant", choices=["cpu", "gpu", "trtllm"], required=True)
+    p.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    p.add_argument("--gpus", type=_list(int), default=[0], help="GPU ids of the KIND_GPU instances (trtllm: one)")
+    p.add_argument("--source", default=str(DEFAULT_REPOSITORY), help="the committed repository it is derived from")
+    p.add_argument("--instances", help="STEP=COUNT,...: instance_group counts of kv_fetch, kv_decode, kv_restore "
+                                       "(per GPU on the gpu variant); llm runs as one")
+    p.add_argument("--home", help="folder for caches (default ./.cache)")
+    p.add_argument("--store", help="trtllm: the store URL the connector reads and writes (default file://<home>/store)")
+    p.add_argument("--model-cache", help="trtllm: folder of the converted model (default <home>/models)")
+    p.add_argument("--ladder", help="trtllm: the rungs the connector fetches from, preferred first (KVCODEC_LADDER)")
+    p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"], help="trtllm: the connector's video decoder")
+    p.set_defaults(func=cmd_repository)
+
+    p = sub.add_parser("rd", help="every codec at several settings over the eval set: rd.json and rd.png")
+    common(p)
+    p.add_argument("--settings", type=_list(str), help="rung specs (default: every codec at several settings)")
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2, help="processes sharing out the texts")
+    p.add_argument("--decode-threads", type=int, default=2, help="threads for the decode speed pass")
+    p.add_argument("--texts", type=int, help="only the first N texts of the eval set")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "rd.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "rd.png"))
+    p.add_argument("--task-json", help="an eval-task result: gates lossless8 on task accuracy and adds each "
+                   "measured rung's accuracy")
+    p.set_defaults(func=cmd_rd)
+
+    p = sub.add_parser("eval-task", help="task accuracy (passkey retrieval) with prefill's KV and each rung's; "
+                                         "lossless in accuracy: inside prefill's 95%% interval")
+    common(p)
+    p.add_argument("--task", default="passkey", help="the task (passkey)")
+    p.add_argument("--codec", type=_list(str), default=["video"],
+                   help="a rung spec NAME[:QUALITY], or a comma list of them (prefill is computed once for all)")
+    p.add_argument("--samples", type=int, default=100)
+    p.add_argument("--context-tokens", type=int, default=1024,
+                   help="tokens of context; its whole chunks go through the codec")
+    p.add_argument("--seed", type=int, default=0, help="samples are reproducible from (task, seed, index)")
+    p.add_argument("--answer-tokens", type=int, help="greedy tokens of each answer (default: the task's)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--out", help="also write the result's JSON to this file")
+    p.set_defaults(func=cmd_eval_task)
+
+    p = sub.add_parser("profile", help="codec profiles (the per-model transform of transform-zstd)")
+    prof = p.add_subparsers(dest="profile", required=True)
+    p = prof.add_parser("fit", help="fit the PCA profile on the fit texts (outside the eval set)")
+    common(p)
+    p.add_argument("--out", help="default: backends/kvcodec/profiles/<the model card's profile>.npz")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of each fit text")
+    p.set_defaults(func=cmd_profile_fit)
+    p = prof.add_parser("weigh", help="add sensitivity weights (where the model looks) to a fitted profile")
+    common(p)
+    p.add_argument("--base", required=True, help="the fitted profile to weigh (its name)")
+    p.add_argument("--out", required=True, help="the weighted profile's file (.npz)")
+    p.add_argument("--exponent", type=float, default=0.5, help="weights = (layer x component gain) ** this")
+    p.add_argument("--texts", type=int, default=3, help="fit texts to measure on")
+    p.set_defaults(func=cmd_profile_weigh)
+
+    p = sub.add_parser("demo", help="ingest a text, compare TTFT with and without reuse, write JSON")
+    common(p)
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "demo.json"))
+    p.add_argument("--codec", default="int8-zstd", help="the rung to ingest and reuse (raw: the engine's own KV)")
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvcodec.errors import KVCodecError
+
+    try:
+        return int(args.func(args) or 0)
+    except KVCodecError as exc:
+        print(f"kvcodec {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

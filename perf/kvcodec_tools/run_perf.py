@@ -1,0 +1,210 @@
+"""``make perf``: TTFT of KV reuse against full prefill, measured by perf_analyzer on a real server.
+
+1. sets up perf_analyzer (``.venv-pa/``, ``perf_analyzer_env.sh``);
+2. takes the committed inputs ``perf/inputs/default.*`` (or makes them for ``--text-file``, into
+   ``<home>/inputs/``), and ingests the context with ``kvcodec ingest`` into a file store under
+   ``<home>`` (default ``.cache/perf``), at every rung of ``--ladder`` (by default the bench's:
+   kvtc-w, video, int8-zstd, raw; the server's adaptive fetcher chooses per chunk);
+3. starts tritonserver on free ports, warms it up and checks that the reuse prompt is served
+   from the store (reused_tokens > 0), else stops;
+4. runs perf_analyzer with the reuse input, then the prefill input, and writes
+   ``perf/results/perf_analyzer.json``.
+
+With ``--bandwidth-mbps LIST`` (``make perf``: 100, 1000, 10000) the store is nginx (writes need
+a bearer token) and, for each rate, it sits behind a throttled link (``kvcodec_tools.shaping``: a network
+namespace with tc, else the userspace shaper; each row's ``link`` says which) with tritonserver
+fetching across it; the context is ingested once over loopback. Reuse is measured at every rate,
+prefill (which fetches nothing) at the first. Without it: one local server, a file store.
+
+Exits non-zero when perf_analyzer fails or is unstable, or when the reuse rows did not reuse.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT / "perf") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "perf"))
+
+from kvcodec_tools import make_inputs  # noqa: E402
+from kvcodec_tools.bench import DEFAULT_LADDER  # noqa: E402
+from kvcodec_tools.perf_analyzer import (  # noqa: E402
+    RESULTS_PATH,
+    PerfAnalyzerError,
+    Target,
+    ensure_perf_analyzer,
+    perf_analyzer_version,
+    run_targets,
+    write_results,
+)
+from kvcodec_tools.ports import free_ports  # noqa: E402
+from kvcodec_tools.remote_store import loopback_store, new_store_token, store_behind_link  # noqa: E402
+from kvcodec_tools.texts import cut_to_tokens  # noqa: E402
+
+
+def _rates(text: str) -> List[float]:
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma list of Mbit/s, got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be positive Mbit/s, got {text!r}")
+    return rates
+
+
+@contextlib.contextmanager
+def local_server(settings) -> Iterator[Tuple[object, Target, dict]]:
+    """One tritonserver on this host's store: no link in between."""
+    from kvcodec_tools.tritonserver import Ports, TritonServer
+
+    with TritonServer(REPO_ROOT / "model_repository", settings, Ports(*free_ports(3))) as server:
+        yield server, Target("local", None, server.grpc_url), {}
+
+
+@contextlib.contextmanager
+def server_across_link(settings, nginx_root: Path, token: str, rate: float, delay_ms: float,
+                       mode: str) -> Iterator[Tuple[object, Target, dict]]:
+    """nginx behind a link of ``rate`` Mbit/s, and a tritonserver whose store is across it."""
+    from kvcodec_tools.tritonserver import Ports, TritonServer
+
+    with store_behind_link(nginx_root, token, rate, delay_ms, mode) as (url, link):
+        across = replace(settings, store=url)
+        with TritonServer(REPO_ROOT / "model_repository", across, Ports(*free_ports(3))) as server:
+            yield server, Target(f"{rate:g}Mbps", rate, server.grpc_url), dict(link.describe(), store_url=url)
+
+
+def ingest(settings, context_file: Path) -> dict:
+    """The context into ``settings.store`` at every rung of ``settings.ladder`` (the one ingest path,
+    ``kvcodec.ingest.ingest_rungs``, as ``kvcodec ingest`` and the bench use it)."""
+    from kvcodec.engines import open_engine
+    from kvcodec.ingest import ingest_rungs
+
+    print(f"ingesting the context into {settings.store} ...", flush=True)
+    engine = open_engine(settings)
+    report = ingest_rungs(settings, engine, engine.tokenize(context_file.read_text(encoding="utf-8")))
+    del engine
+    print(f"  {report.chunks} chunks ({report.written} new), {report.bytes_written} bytes", flush=True)
+    return {"chunks": report.chunks, "written": report.written, "bytes_written": report.bytes_written}
+
+
+def _measure(server, target: Target, inputs, prompt_ids, meta, args, home: Path) -> Optional[List[dict]]:
+    """Warm up, check the reuse prompt reuses, then perf_analyzer on each input file."""
+    from kvcodec_client.client import KVCodecClient
+
+    client = KVCodecClient(server.grpc_url, "grpc")
+    client.generate(prompt_ids[:32], 2, reuse=False)  # warm-up: first calls pay one-time costs
+    client.generate(prompt_ids, 1, reuse=True)  # the fetcher's first estimate of the link
+    check = client.generate(prompt_ids, 1, reuse=True)
+    print(f"  reuse check: {check.reused_tokens} of {len(prompt_ids)} prompt tokens reused", flush=True)
+    if check.reused_tokens <= 0:
+        print(f"run_perf: the reuse prompt reused nothing (stats {check.stats})", file=sys.stderr)
+        return None
+    try:
+        return run_targets([target], inputs, meta["context_tokens"], request_count=args.request_count,
+                           work_dir=home / "perf_analyzer" / target.label)
+    except PerfAnalyzerError as exc:
+        print(f"run_perf: {exc}", file=sys.stderr)
+        return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--home", type=Path, default=REPO_ROOT / ".cache" / "perf",
+                   help="store, logs and perf_analyzer outputs (default .cache/perf)")
+    p.add_argument("--model-cache", type=Path, default=REPO_ROOT / ".cache" / "models")
+    p.add_argument("--text-file", type=Path, default=None,
+                   help="another context (default: the committed perf/inputs/default.*)")
+    p.add_argument("--context-tokens", type=int, default=None, help="cut --text-file to about this many tokens")
+    p.add_argument("--max-tokens", type=int, default=make_inputs.MAX_TOKENS)
+    p.add_argument("--request-count", type=int, default=3, help="perf_analyzer --measurement-request-count")
+    p.add_argument("--output", type=Path, default=RESULTS_PATH)
+    p.add_argument("--bandwidth-mbps", type=_rates, default=None,
+                   help="measure across a throttled link at each of these rates (default: no link)")
+    p.add_argument("--delay-ms", type=float, default=1.0, help="the link's one-way delay")
+    p.add_argument("--link-mode", choices=("auto", "netns", "userspace"), default="auto")
+    p.add_argument("--ladder", default=DEFAULT_LADDER,
+                   help="the rungs ingest stores and the server's adaptive fetcher chooses from")
+    args = p.parse_args(argv)
+
+    from kvcodec import engines
+    from kvcodec.settings import Settings
+
+    t_start = time.perf_counter()
+    print("perf_analyzer: setting up .venv-pa/ ...", flush=True)
+    version = perf_analyzer_version(*ensure_perf_analyzer())
+    print(f"perf_analyzer {version}", flush=True)
+
+    home = args.home.resolve()
+    settings = Settings.load({"home": str(home), "store": f"file://{home / 'store'}",
+                              "model_cache": str(args.model_cache.resolve()), "threads": "1",
+                              "ladder": args.ladder}, env={})
+    engines.prepare(settings)
+    if args.text_file:
+        tokenizer = make_inputs.load_tokenizer(settings.model_cache)
+        text = args.text_file.read_text(encoding="utf-8")
+        if args.context_tokens:
+            text = cut_to_tokens(tokenizer, text, args.context_tokens)
+        name = args.text_file.stem
+        make_inputs.make_inputs(tokenizer, text, name, home / "inputs", max_tokens=args.max_tokens,
+                                source=args.text_file.name)
+        files = make_inputs.paths(name, home / "inputs")
+    else:
+        files = make_inputs.paths(make_inputs.DEFAULT_NAME)
+        if args.max_tokens != make_inputs.MAX_TOKENS:
+            p.error("--max-tokens other than the committed inputs' needs --text-file")
+    meta = json.loads(files["meta"].read_text())
+    prompt_ids = json.loads(files["reuse"].read_text())["data"][0]["input_ids"]["content"]
+    print(f"context: {meta['context_tokens']} tokens ({meta['source']}), prompt {meta['prompt_tokens']} tokens, "
+          f"max_tokens {meta['max_tokens']}", flush=True)
+
+    if args.bandwidth_mbps:
+        token = new_store_token()  # nginx takes writes only with it; ingest inherits it
+        nginx_root = home / "nginx"
+        with loopback_store(nginx_root, token) as url:
+            ingest(replace(settings, store=url), files["context"])
+        servers = [lambda rate=rate: server_across_link(settings, nginx_root, token, rate, args.delay_ms,
+                                                        args.link_mode) for rate in args.bandwidth_mbps]
+    else:
+        ingest(settings, files["context"])
+        servers = [lambda: local_server(settings)]
+
+    rows: List[dict] = []
+    for i, make_server in enumerate(servers):
+        inputs = [files["reuse"], files["prefill"]] if i == 0 else [files["reuse"]]
+        t0 = time.perf_counter()
+        with make_server() as (server, target, link):
+            print(f"[{target.label}] tritonserver ready in {time.perf_counter() - t0:.1f} s "
+                  f"(gRPC {server.grpc_url}, log {server.log_path}){'; link ' + link['kind'] if link else ''}",
+                  flush=True)
+            got = _measure(server, target, inputs, prompt_ids, meta, args, home)
+            if got is None:
+                return 1
+            for row in got:
+                row["link"] = link.get("kind", "none")
+            rows += got
+    write_results(rows, args.output, version)
+
+    print()
+    print(f"{'label':<10}{'Mbit/s':>8}{'link':>10}{'reuse':>7}{'requests':>10}{'p50 s':>9}{'p90 s':>9}"
+          f"{'mean s':>9}{'reused':>8}")
+    for r in rows:
+        mbps = "-" if r["bandwidth_mbps"] is None else f"{r['bandwidth_mbps']:g}"
+        print(f"{r['label']:<10}{mbps:>8}{r['link']:>10}{str(r['reuse']).lower():>7}{r['requests']:>10}"
+              f"{r['ttft_p50_s']:>9.3f}{r['ttft_p90_s']:>9.3f}{r['ttft_mean_s']:>9.3f}{str(r['reused_tokens']):>8}")
+    print(f"\nwrote {args.output} in {time.perf_counter() - t_start:.0f} s")
+    bad = [r["label"] for r in rows if r["reuse"] and not (r["reused_tokens"] or 0) > 0]
+    if bad:
+        print(f"run_perf: reuse rows that did not reuse: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""nginx as an HTTP chunk store: ``NginxStore(root, host, port, token).url`` -> ``http://HOST:PORT/kv``.
+
+Serves ``root/data`` (the filesystem store's layout: ``<key>.kvc``) at ``/<prefix>/``. GET and HEAD
+(with Range) are open to everyone; PUT, DELETE and MKCOL need ``Authorization: Bearer <token>``
+(401 otherwise). PUT goes through nginx's temporary file and a rename, so it is atomic.
+Everything nginx writes (config, pid, logs, temp files) lives in ``root/nginx``.
+"""
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import re
+from pathlib import Path
+from typing import Optional
+
+from kvcodec_tools.procs import Process, ServiceError, Wrap
+
+from . import binary, can_connect
+
+_TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{8,512}$")  # RFC 6750 token68, nothing to escape in nginx.conf
+_PREFIX = re.compile(r"^[a-z0-9_-]{1,64}$")
+
+CONF = """\
+{user}worker_processes {workers};
+daemon off;
+master_process on;
+pid {run}/nginx.pid;
+error_log {run}/error.log warn;
+
+events {{
+    worker_connections 256;
+}}
+
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_timeout 65;
+    keepalive_requests 100000;
+    client_max_body_size 0;
+    client_body_buffer_size 1m;
+    client_body_temp_path {run}/client_body;
+    proxy_temp_path {run}/proxy;
+    fastcgi_temp_path {run}/fastcgi;
+    uwsgi_temp_path {run}/uwsgi;
+    scgi_temp_path {run}/scgi;
+    types {{ }}
+    default_type application/octet-stream;
+
+    # 1 when a request may change the data and does not carry the token.
+    map $request_method $kv_write {{
+        default 1;
+        GET 0;
+        HEAD 0;
+    }}
+    map "$kv_write:$http_authorization" $kv_denied {{
+        default 1;
+        "~^0:" 0;
+        "1:Bearer {token}" 0;
+    }}
+
+    server {{
+        listen {listen};
+        server_name _;
+        location /{prefix}/ {{
+            if ($kv_denied) {{
+                return 401;
+            }}
+            alias {data}/;
+            dav_methods PUT DELETE MKCOL;
+            create_full_put_path on;
+            dav_access user:rw group:r all:r;
+        }}
+        location / {{
+            return 404;
+        }}
+    }}
+}}
+"""
+
+
+class NginxStore:
+    def __init__(self, root: Path, host: str, port: int, token: str, prefix: str = "kv", wrap: Wrap = None,
+                 workers: int = 1) -> None:
+        if not isinstance(token, str) or not _TOKEN.match(token):
+            raise ServiceError("nginx store token must be 8-512 characters of [A-Za-z0-9._~+/=-]")
+        if not _PREFIX.match(prefix):
+            raise ServiceError(f"nginx store prefix must match [a-z0-9_-]{{1,64}}, got {prefix!r}")
+        self.root, self.host, self.port, self.token, self.prefix = Path(root).resolve(), host, int(port), token, prefix
+        self.wrap, self.workers = wrap, int(workers)
+        self.data = self.root / "data"
+        self.run_dir = self.root / "nginx"
+        listen_host = f"[{host}]" if ":" in host else host
+        self.url = f"http://{listen_host}:{self.port}/{prefix}"
+        self._process: Optional[Process] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._process.pid if self._process else None
+
+    def _write_config(self) -> Path:
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        user = ""
+        if os.geteuid() == 0:  # workers would drop to nobody, who cannot write root's folders
+            user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
+        listen_host = f"[{self.host}]" if ":" in self.host else self.host
+        conf = self.run_dir / "nginx.conf"
+        conf.write_text(CONF.format(user=user, workers=self.workers, run=self.run_dir, token=self.token,
+                                    listen=f"{listen_host}:{self.port}", prefix=self.prefix, data=self.data))
+        conf.chmod(0o600)  # it holds the token
+        return conf
+
+    def start(self, timeout_s: float = 15.0) -> "NginxStore":
+        if self._process and self._process.alive():
+            return self
+        nginx = binary("nginx", "nginx")
+        conf = self._write_config()
+        log = self.run_dir / "stdout.log"
+        pid_file = self.run_dir / "nginx.pid"
+        pid_file.unlink(missing_ok=True)
+        cmd = [nginx, "-p", str(self.run_dir), "-c", str(conf), "-e", str(self.run_dir / "error.log")]
+        self._process = Process("nginx", cmd, log, self.wrap).start()
+
+        def ready() -> bool:
+            # nginx writes its pid file (removed above) after binding its sockets, so a listener
+            # found then is ours, not someone else's on the same port.
+            try:
+                int(pid_file.read_text().strip())
+            except (OSError, ValueError):
+                return False
+            return can_connect(self.host, self.port)
+
+        self._process.wait_ready(ready, timeout_s, [log, self.run_dir / "error.log"])
+        return self
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.stop()
+
+    def __enter__(self) -> "NginxStore":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,238 @@
+"""Start and stop a real Triton Inference Server (the ``nvidia-pytriton`` wheel's binary) on
+our model repository, with the python backend.
+
+``TritonServer(repo, settings, ports).start()`` prepares a backend folder (the wheel's python
+backend plus the stub for this Python), sets ``LD_LIBRARY_PATH`` (the wheel's bundled libraries
+and this interpreter's ``libpython``), puts this venv's ``bin/`` first on ``PATH`` (the stub finds
+its interpreter through it), passes the ``KVCODEC_*`` settings through the environment, waits
+until the server is ready and every model is loaded, and raises with the log's tail if it is not.
+The server is a ``kvcodec_tools.procs.Process`` (its own session): ``stop()`` sends SIGTERM to the server,
+then SIGKILL to its process group after a grace period, and waits until nothing of the group is left.
+``start(append_log=True)`` after ``stop()`` starts it again on the same ports, its log appended to.
+
+``stubs()`` lists the server's python backend stubs (its children running
+``triton_python_backend_stub``), zombies included: Triton 2.51 neither reaps nor restarts a stub
+that died, so a watchdog (``kvcodec_tools.watchdog``) reads them to know when the server must restart.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from kvcodec.errors import Unsupported
+from kvcodec.settings import Settings
+from kvcodec_tools.procs import Process
+
+MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
+STUB = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class Stub:
+    """One python backend stub process. A live stub runs as ``triton_python_backend_stub MODEL.py
+    REGION DEFAULT_SIZE GROWTH PARENT_PID BACKEND_DIR IPC_HANDLE INSTANCE_NAME RUNTIME``; a zombie
+    has no command line left (``model_path`` and ``instance`` are then "")."""
+    pid: int
+    state: str  # proc(5)'s state letter: R, S, D, ... ; Z for a zombie
+    model_path: str = ""
+    instance: str = ""
+
+    @property
+    def zombie(self) -> bool:
+        return self.state == "Z"
+
+    @property
+    def model(self) -> str:
+        """The model's name: the folder above the version folder of its ``model.py`` ("" if unknown)."""
+        parts = Path(self.model_path).parts
+        return parts[-3] if len(parts) >= 3 else ""
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+
+def _pytriton_root() -> Path:
+    try:
+        import pytriton
+    except ImportError:
+        raise Unsupported("nvidia-pytriton is not installed (it carries the tritonserver binary)") from None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    if not (root / "bin" / "tritonserver").is_file():
+        raise Unsupported(f"no tritonserver binary under {root}")
+    return root
+
+
+def prepare_backends(target: Path) -> Path:
+    """A backend folder holding the python backend and the stub for this interpreter."""
+    root = _pytriton_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise Unsupported(f"no python backend stub for Python {version} in nvidia-pytriton")
+    python_dir = target / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for src in list((root / "backends" / "python").glob("*.*")) + [stub]:
+        dst = python_dir / src.name
+        if not dst.exists() or dst.stat().st_size != src.stat().st_size:
+            shutil.copy2(src, dst)
+    return target
+
+
+def _stat(pid: int) -> List[str]:
+    """``/proc/PID/stat`` as [comm, state, ppid, ...] (OSError if the process is gone)."""
+    head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
+    return [head.partition("(")[2], *rest.split()]
+
+
+def children(pid: int) -> List[int]:
+    """The PIDs whose parent is ``pid``, zombies included, from one pass over /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if int(_stat(int(name))[2]) == pid:
+                    out.append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return sorted(out)
+
+
+def read_stub(pid: int) -> Optional[Stub]:
+    """``pid`` as a ``Stub``, or None if it is gone or runs something else. A zombie is recognised
+    by its name (the kernel keeps the first 15 characters of the stub's name)."""
+    try:
+        comm, state = _stat(pid)[:2]
+        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except (OSError, ValueError):
+        return None
+    if argv and Path(argv[0]).name == STUB:
+        return Stub(pid, state, argv[1] if len(argv) > 1 else "", argv[8] if len(argv) > 8 else "")
+    if not argv and state == "Z" and comm == STUB[:15]:
+        return Stub(pid, state)
+    return None
+
+
+def stubs_of(pid: int) -> List[Stub]:
+    """The python backend stubs among ``pid``'s children, zombies included."""
+    return [stub for stub in map(read_stub, children(pid)) if stub is not None]
+
+
+class TritonServer:
+    def __init__(self, repo: Path, settings: Settings, ports: Ports = Ports(), log_path: Optional[Path] = None,
+                 host: str = "127.0.0.1") -> None:
+        self.repo = Path(repo).resolve()
+        self.settings = settings
+        self.ports = ports
+        self.host = host
+        self.log_path = Path(log_path) if log_path else settings.home / "logs" / "tritonserver.log"
+        self.process: Optional[Process] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process else None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports.grpc}"
+
+    def command(self) -> list:
+        root = _pytriton_root()
+        backends = prepare_backends(self.settings.home / "triton-backends")
+        return [
+            str(root / "bin" / "tritonserver"),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backends}",
+            f"--http-address={self.host}", f"--http-port={self.ports.http}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.ports.grpc}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.ports.metrics}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false",
+            "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
+            "--exit-timeout-secs=15", "--log-verbose=0",
+        ]
+
+    def environment(self) -> dict:
+        root = _pytriton_root()
+        env = dict(os.environ)
+        libs = [str(root.parent.parent / "nvidia_pytriton.libs"), str(sysconfig.get_config_var("LIBDIR"))]
+        if env.get("LD_LIBRARY_PATH"):
+            libs.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = ":".join(libs)
+        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+        env["PYTHONUNBUFFERED"] = "1"
+        # the stubs' embedded Python reads text files in the locale's encoding (it ignores
+        # PYTHONUTF8); under the C locale that is ASCII, and torch (imported by vLLM) reads UTF-8
+        if "UTF-8" not in (env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG") or "").upper():
+            env["LC_ALL"] = "C.UTF-8"
+        env.update(self.settings.environ())
+        return env
+
+    def start(self, timeout_s: float = 180.0, append_log: bool = False) -> "TritonServer":
+        """Start the server (its log truncated unless ``append_log``) and wait until it and every
+        model are ready: ``ServiceError`` (a RuntimeError) if it exits first, ``NotReady`` (a
+        TimeoutError; the server is stopped) after ``timeout_s``, each with the log's tail."""
+        self.process = Process("tritonserver", self.command(), self.log_path, env=self.environment(),
+                               append=append_log)
+        self.process.start().wait_ready(self.ready, timeout_s, [self.log_path], poll_s=0.5)
+        return self
+
+    def alive(self) -> bool:
+        """Whether the server process runs (it was started and has not exited)."""
+        return self.process is not None and self.process.alive()
+
+    @property
+    def returncode(self) -> Optional[int]:
+        """The server's exit code once it has exited; None while it runs or when never started."""
+        return self.process.returncode if self.process else None
+
+    def stubs(self) -> List[Stub]:
+        """The server's python backend stubs, zombies included ([] when it is not running)."""
+        return stubs_of(self.pid) if self.pid is not None else []
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                if r.status != 200:
+                    return False
+            for model in MODELS:
+                with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{model}/ready", timeout=2) as r:
+                    if r.status != 200:
+                        return False
+            return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def terminate(self) -> None:
+        """Ask the server to stop (SIGTERM) without waiting: safe inside a signal handler."""
+        if self.process is not None:
+            self.process.terminate()
+
+    def wait(self) -> int:
+        return self.process.wait() if self.process else 0
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the server (it stops its model stubs), SIGKILL to its process group after
+        ``grace_s``; returns once nothing of the group is left."""
+        process, self.process = self.process, None
+        if process is not None:
+            process.stop(grace_s)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

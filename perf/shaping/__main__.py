@@ -1,6 +1,0 @@
-"""``python -m perf.shaping`` (``perf/link``): up | down | run -- CMD | check | proxy."""
-import sys
-
-from .cli import main
-
-sys.exit(main())
