@@ -15,6 +15,11 @@ argument, else the environment variable ``KVCODEC_STORE_TOKEN``. A token in the 
 Connections: one small keep-alive pool per store object, one connection per thread (the fetcher
 and ingest run a few threads), each reconnected once if the server closed it while idle.
 Transport failures, timeouts and 5xx raise ``StoreUnavailable``.
+
+Timeouts: ``connect_timeout_s`` to connect, ``timeout_s`` for each read or write; and, inside a
+caller's ``kvcodec.store.deadline.call_deadline``, the whole call (a body that trickles in too)
+ends by that deadline: the store's reaper thread shuts the socket of a call still running then, the
+call raises ``StoreUnavailable`` (timed out) and its connection is closed, never reused.
 """
 from __future__ import annotations
 
@@ -22,11 +27,13 @@ import http.client
 import os
 import socket
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import ConfigError, StoreUnavailable
 from . import KVStore, check_key, check_range
+from . import deadline as call_deadline
 
 TOKEN_ENV = "KVCODEC_STORE_TOKEN"
 SUFFIX = ".kvc"
@@ -77,6 +84,7 @@ class HttpStore(KVStore):
         self._lock = threading.Lock()
         self._all: List[_Connection] = []
         self._closed = False
+        self._reaper = call_deadline.Reaper("kv-http-reaper")
 
     @classmethod
     def from_url(cls, url: str) -> "HttpStore":
@@ -135,6 +143,7 @@ class HttpStore(KVStore):
             conns, self._all = self._all, []
         for conn in conns:
             conn.close()
+        self._reaper.stop()
 
     # -- transport ------------------------------------------------------------------------------
 
@@ -165,12 +174,14 @@ class HttpStore(KVStore):
         for attempt in (0, 1):
             conn = self._connection()
             reused = conn.sock is not None
+            watch = self._watch(conn, method, key)
             try:
                 conn.request(method, path, body=body, headers=all_headers)
                 resp = conn.getresponse()
                 data = resp.read()
             except _STALE as exc:
                 self._drop(conn)
+                self._cut(watch, method, key)
                 if reused and attempt == 0:
                     continue  # the server closed an idle keep-alive connection: once more, fresh
                 raise StoreUnavailable(f"HTTP store {self.url}: {method} {key}: connection lost ({exc!r})") from None
@@ -179,12 +190,31 @@ class HttpStore(KVStore):
                 raise StoreUnavailable(f"HTTP store {self.url}: {method} {key} timed out") from None
             except (OSError, http.client.HTTPException) as exc:
                 self._drop(conn)
+                self._cut(watch, method, key)
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
                 raise StoreUnavailable(f"HTTP store {self.url} unreachable: {reason}") from None
+            finally:
+                if watch is not None:
+                    self._reaper.done(watch)
+            if watch is not None and watch.fired:  # cut as it ended: the socket is shut
+                self._drop(conn)
+                self._cut(watch, method, key)
             if resp.will_close:
                 self._drop(conn)
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
         raise AssertionError("unreachable")
+
+    def _watch(self, conn: _Connection, method: str, key: str) -> Optional[call_deadline.Watch]:
+        """Hold this call to the caller's deadline, if it set one (``store.deadline``)."""
+        left = call_deadline.left()
+        if left is not None and left <= 0:
+            raise StoreUnavailable(f"HTTP store {self.url}: {method} {key} timed out (its deadline had passed)")
+        conn.timeout = self.connect_timeout_s if left is None else min(self.connect_timeout_s, left)
+        return None if left is None else self._reaper.watch(conn, time.monotonic() + left)
+
+    def _cut(self, watch: Optional[call_deadline.Watch], method: str, key: str) -> None:
+        if watch is not None and watch.fired:
+            raise StoreUnavailable(f"HTTP store {self.url}: {method} {key} timed out (cut at its deadline)") from None
 
     def _expect(self, status: int, ok: Tuple[int, ...], what: str, key: str) -> None:
         if status in ok:
