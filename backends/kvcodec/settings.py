@@ -10,6 +10,7 @@ name the field and the value.
 | home          | KVCODEC_HOME           | ``./.cache``                            |
 | store         | KVCODEC_STORE          | ``file://<home>/store``                 |
 | model_cache   | KVCODEC_MODEL_CACHE    | ``<home>/models``                       |
+| model         | KVCODEC_MODEL          | none: SmolLM2-135M-Instruct, embedded (4) |
 | engine        | KVCODEC_ENGINE         | ``transformers`` (``kvcodec.engines.ENGINES``)  |
 | ladder        | KVCODEC_LADDER         | ``kvtc-w,video,int8-zstd,raw`` (1)              |
 | chunk_tokens  | KVCODEC_CHUNK_TOKENS   | 256                                     |
@@ -31,6 +32,9 @@ name, is still read from the environment.
 engines that save (``vllm``: ``kvcodec.connector.WriteBack``).
 (2) made on first use, mode 0600; ``KVCODEC_CHUNK_KEY`` (the key, hex) takes its place
 (``kvcodec.format.auth``).
+(4) a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files) of a Llama-family
+model (``kvcodec.engines.model_files.ARCHITECTURES``); its identity, KV geometry and tokenizer come
+from the folder, its codec profile is fitted with ``kvcodec profile fit --model DIR``.
 """
 from __future__ import annotations
 
@@ -66,6 +70,7 @@ class Settings:
     ingest_workers: int = 0  # chunk encoders side by side at ingest (0: ingest's default)
     decoder_process: bool = True  # kv_decode's PyAV decoder in a process of its own
     decode_timeout_s: float = 30.0  # that process's deadline per chunk
+    model: Optional[Path] = None  # a Hugging Face model folder (None: the embedded SmolLM2-135M-Instruct)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -110,6 +115,7 @@ class Settings:
         ingest_workers = _int("ingest_workers", raw("ingest_workers") or "0", minimum=0)
         decoder_process = _bool("decoder_process", raw("decoder_process") or "1")
         decode_timeout_s = _float("decode_timeout_s", raw("decode_timeout_s") or "30", minimum=0.001)
+        model = _model(raw("model"))
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -117,7 +123,7 @@ class Settings:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
                    adaptive, link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
-                   ingest_workers, decoder_process, decode_timeout_s)
+                   ingest_workers, decoder_process, decode_timeout_s, model=model)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -139,7 +145,18 @@ class Settings:
             "KVCODEC_INGEST_WORKERS": str(self.ingest_workers),
             "KVCODEC_DECODER_PROCESS": "1" if self.decoder_process else "0",
             "KVCODEC_DECODE_TIMEOUT_S": repr(self.decode_timeout_s),
+            "KVCODEC_MODEL": str(self.model or ""),
         }
+
+
+def _model(value: Optional[str]) -> Optional[Path]:
+    """The model folder, resolved; it must hold a ``config.json`` (the rest is checked when it is used)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model must be a Hugging Face model folder with a config.json, got {value!r}")
+    return path
 
 
 def _writeback(value: str, ladder: Tuple[str, ...]) -> Tuple[str, ...]:

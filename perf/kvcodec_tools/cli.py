@@ -9,7 +9,7 @@ tritonserver launcher, bench, demo, rd, eval). Imports go one way: tools -> clie
     kvcodec eval     --text-file F --prefix-tokens P --continuation-tokens C --codec NAME [--quality Q] [--json]
     kvcodec rd       [--json perf/results/rd.json --plot perf/results/rd.png] (every codec over the eval set)
     kvcodec eval-task --task passkey --codec RUNG[,RUNG...] --samples N --context-tokens T [--json] [--out FILE]
-    kvcodec profile fit [--out backends/kvcodec/profiles/smollm2-135m-v1.npz] [--tokens 2048]
+    kvcodec profile fit [--out backends/kvcodec/profiles/smollm2-135m-v1.npz] [--tokens 2048] [--model DIR]
     kvcodec profile weigh --base smollm2-135m-v1 --out backends/kvcodec/profiles/smollm2-135m-v2.npz
     kvcodec demo     [--json perf/results/demo.json]
     kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
@@ -17,7 +17,9 @@ tritonserver launcher, bench, demo, rd, eval). Imports go one way: tools -> clie
     kvcodec repository --variant cpu|gpu|trtllm --out DIR [--gpus 0] [--store URL] [--ladder RUNGS]
     kvcodec soak     [--engine E] --clients 8 --duration-s 300 --protocols grpc,http [--json perf/results/reliability.json]
 
-Settings not given as flags come from ``KVCODEC_*`` variables, then defaults (see
+Commands that load a model take ``--model DIR`` (a Hugging Face folder of a Llama-family model;
+default the embedded SmolLM2-135M-Instruct). Settings not given as flags come from ``KVCODEC_*``
+variables, then defaults (see
 ``kvcodec.settings``); the store defaults to ``file://./.cache/store``.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _settings(args):
     from kvcodec.settings import Settings
 
     explicit = {"home": args.home, "store": args.store, "model_cache": args.model_cache}
-    for name in ("threads", "decoder", "ladder", "engine"):
+    for name in ("threads", "decoder", "ladder", "engine", "model"):
         if getattr(args, name, None) not in (None, ""):
             explicit[name] = str(getattr(args, name))
     return Settings.load(explicit)
@@ -118,6 +120,7 @@ def cmd_ingest(args) -> int:
     from kvcodec.engines import model_card, open_engine
     from kvcodec.format.ladder import parse_ladder
     from kvcodec.ingest import ingest_rungs
+    from kvcodec.profiles import require_profiles
 
     settings = _settings(args)
     codec = args.codec or ",".join(settings.ladder)  # default: the rungs the server fetches from
@@ -126,6 +129,7 @@ def cmd_ingest(args) -> int:
             raise SystemExit("kvcodec ingest: --quality takes one --codec; name rungs as NAME:QUALITY instead")
         codec = f"{codec}:{args.quality}"
     schemes = parse_ladder(codec, model_card(settings))  # bad names fail before the model loads
+    require_profiles(schemes)  # so does a rung whose codec profile is not fitted for this model
     text = _read_text(args.text_file)
     engine = open_engine(settings)
     ids = engine.tokenize(text)
@@ -203,7 +207,8 @@ def cmd_rd(args) -> int:
     config = RdConfig(settings=args.settings or DEFAULT_SETTINGS, prefix_tokens=args.prefix_tokens,
                       continuation_tokens=args.continuation_tokens, workers=args.workers,
                       decode_threads=args.decode_threads, texts=args.texts, chunk_tokens=settings.chunk_tokens,
-                      model_cache=str(settings.model_cache), engine=settings.engine)
+                      model_cache=str(settings.model_cache), engine=settings.engine,
+                      model=str(settings.model) if settings.model else None)
     return run_rd(config, Path(args.json), Path(args.plot) if args.plot else None,
                   task_path=Path(args.task_json) if args.task_json else None)
 
@@ -237,7 +242,8 @@ def cmd_eval_task(args) -> int:
 def cmd_profile_fit(args) -> int:
     from kvcodec_tools.quality.fit import fit_codec_profile
 
-    print(json.dumps(fit_codec_profile(_settings(args), args.tokens, Path(args.out) if args.out else None)))
+    print(json.dumps(fit_codec_profile(_settings(args), args.tokens, Path(args.out) if args.out else None,
+                                       weigh=args.weigh)))
     return 0
 
 
@@ -330,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model-cache", help="folder of the converted model (default <home>/models)")
         p.add_argument("--threads", type=int, help="torch / decoder threads (0: torch's default)")
         p.add_argument("--engine", help="the engine that runs the model (default transformers; KVCODEC_ENGINE)")
+        p.add_argument("--model", help="a Hugging Face model folder of a Llama-family model (default: the embedded "
+                                       "SmolLM2-135M-Instruct; KVCODEC_MODEL)")
 
     p = sub.add_parser("serve", help="run tritonserver on the model repository in the foreground")
     common(p)
@@ -479,9 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="codec profiles (the per-model transform of transform-zstd)")
     prof = p.add_subparsers(dest="profile", required=True)
-    p = prof.add_parser("fit", help="fit the PCA profile on the fit texts (outside the eval set)")
+    p = prof.add_parser("fit", help="fit the PCA profile on the fit texts (outside the eval set); with --model, "
+                                    "weighed too and cached for that model")
     common(p)
-    p.add_argument("--out", help="default: backends/kvcodec/profiles/<the model card's profile>.npz")
+    p.add_argument("--out", help="default: backends/kvcodec/profiles/<the model card's profile>.npz; with --model, "
+                                 "<model cache>/profiles/<the model card's profile>.npz")
+    p.add_argument("--weigh", action=argparse.BooleanOptionalAction, default=None,
+                   help="add the sensitivity weights (video and kvtc-w need them; default: on with --model)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of each fit text")
     p.set_defaults(func=cmd_profile_fit)
     p = prof.add_parser("weigh", help="add sensitivity weights (where the model looks) to a fitted profile")

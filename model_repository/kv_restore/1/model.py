@@ -7,14 +7,17 @@ Triton left on a GPU are taken there through DLPack, and on a GPU the KV leaves 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from kvcodec.engines import model_card
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.restore import EMPTY_KV, EMPTY_KV32, RestoreStep
+from kvcodec.settings import Settings
 from kvcodec.triton import (
     error_response,
     get_array,
     get_tensor,
     get_text,
     instance_device,
+    model_parameters,
     passthrough,
     tensor,
     text_tensor,
@@ -23,6 +26,8 @@ from kvcodec.triton import (
 
 class TritonPythonModel:
     def initialize(self, args):
+        # the card (cheap) makes a model folder's fitted codec profile known to the transform layouts
+        model_card(Settings.load(model_parameters(args)))
         self.step = RestoreStep(instance_device(args))
 
     def execute(self, requests):

@@ -59,20 +59,23 @@ class RdConfig:
     chunk_tokens: int = 256
     model_cache: str = ".cache/models"
     engine: str = "transformers"
+    model: Optional[str] = None  # a model folder (None: the embedded model)
 
 
 def _engine(config: RdConfig):
     from kvcodec.engines import open_engine
     from kvcodec.settings import Settings
 
-    return open_engine(Settings.load({"model_cache": config.model_cache, "engine": config.engine}))
+    return open_engine(Settings.load({"model_cache": config.model_cache, "engine": config.engine,
+                                      "model": config.model}))
 
 
 def _card(config: RdConfig):
     from kvcodec.engines import model_card
     from kvcodec.settings import Settings
 
-    return model_card(Settings.load({"model_cache": config.model_cache, "engine": config.engine}))
+    return model_card(Settings.load({"model_cache": config.model_cache, "engine": config.engine,
+                                     "model": config.model}))
 
 
 def _scheme(spec: str, config: RdConfig):

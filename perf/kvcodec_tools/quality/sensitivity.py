@@ -119,21 +119,22 @@ def fit_weights(engine, profile, texts: List[List[int]], prefix: int = 768, eps:
 
 
 def weigh_codec_profile(settings, base: str, out, exponent: float = 0.5, texts: int = 3, prefix: int = 768,
-                        continuation: int = 64, eps: float = 0.1) -> dict:
+                        continuation: int = 64, eps: float = 0.1, engine=None, base_path=None) -> dict:
     """``kvcodec profile weigh``: the codec profile ``base`` (its PCA fit, unchanged) plus the weights
     ``(lambda * s) ** exponent`` fitted on the first ``texts`` fit texts, saved to ``out``; a summary.
 
     The exponent tempers the model: 0.5 measured better than 1 on four eval texts with
     ``transform-zstd`` at step 160 (3.89x at mean KL 0.0067 against 3.84x at 0.0087; unweighted
-    3.73x at 0.0074), see ``perf/results/README.md``."""
+    3.73x at 0.0074), see ``perf/results/README.md``. ``engine`` (already loaded) and ``base_path``
+    (the base profile's file) spare a second load and the search (``kvcodec profile fit --model``)."""
     from pathlib import Path
 
     from kvcodec.engines import open_engine
     from kvcodec.profiles import find_profile, read_profile, save_profile
     from kvcodec_tools.quality import evalset
 
-    engine = open_engine(settings)
-    path = find_profile(base)
+    engine = engine or open_engine(settings)
+    path = Path(base_path) if base_path else find_profile(base)
     profile = read_profile(path, base)
     ids = [i for _, i in evalset.load(evalset.FIT_SET[:texts], engine.tokenize, prefix + continuation)]
     fitted = fit_weights(engine, profile, ids, prefix, eps)
