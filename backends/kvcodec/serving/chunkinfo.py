@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Dict
+from typing import Any, Dict
 
 from ..errors import BadRequest
 
@@ -38,6 +38,8 @@ class ChunkInfo:
     choice: str = ""  # the adaptive fetcher's estimates, best first, for this chunk
     t: Dict[str, float] = field(default_factory=dict)  # wall-clock stamps: request, sent, received, decoded, restored
     s: Dict[str, float] = field(default_factory=dict)  # seconds spent: fetch, decode, restore
+    store: Dict[str, Any] = field(default_factory=dict)  # the first record's: kv_fetch's store calls and
+    # breaker as the request came (``serving.calls.StoreCalls.snapshot``)
 
     @property
     def ok(self) -> bool:

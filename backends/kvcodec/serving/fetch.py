@@ -18,16 +18,33 @@ it yields one ``count == 0`` record when there is nothing to reuse. Two policies
   written into the chunk's ``ChunkInfo.choice``.
 
 A store error mid-way becomes a failed chunk (a miss from there on), never an exception. So does
-time: every store call of a request runs against one deadline, ``timeout_s`` after the request
-came (the look-up too); a store that does not answer in time (hung, or slower than the deadline)
-ends reuse at that chunk with status ``timeout``, and the model computes the rest. The call itself
-runs on the probe pool and is left to its own socket timeout; the request does not wait for it.
+time. A sick store costs a request at most about one prefill of what it stores:
+
+- the give-up budget: a request's store calls (the look-up too) end by
+  ``GIVE_UP_SHARE * max(MIN_FAULT_S, predicted prefill of the stored prefix)`` after it came (before
+  the look-up, of the longest prefix that could be stored), and never after ``timeout_s``
+  (``fetch_timeout_s``, the outer bound). The prefill rate is the cost model's;
+- patience (adaptive): while a chunk is awaited, the request stops waiting as soon as finishing the
+  fetch is predicted slower than recomputing the rest: when the wait on chunk i passes
+  ``prefill(chunks i..) - predicted fetch(chunks after i)`` (at least ``MIN_PATIENCE_S``);
+- a store that does not answer in time ends reuse at that chunk with status ``timeout``; one that
+  refuses or errs, with ``error``, at once. The model computes the rest.
+
+Every store call runs on ``serving.calls.StoreCalls``: a fixed pool per store, each call inside
+the request's deadline (``store.deadline``: a network store cuts the call and closes its socket
+then, so hung calls do not pile up), counted (``snapshot()``, sent with each request in
+``ChunkInfo.store``) and heard by the store's circuit breaker (``serving.breaker``): once a call
+fails or times out, requests skip the store at once (status ``none``, "store skipped") until a
+probe finds it answering again (the first request after the cooldown runs the probe and waits up to
+``PROBE_WAIT_S`` for it; a healed store is used again within two requests).
+
+Estimates heal: when the adaptive fetcher chooses to recompute, no transfer would correct a link
+estimate that a slow moment made too pessimistic; so it reads up to ``LINK_PROBE_BYTES`` of the
+first chunk in the background (at most every ``LINK_PROBE_EVERY_S``) and records that transfer.
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,10 +53,19 @@ from ..format.codecs import Scheme
 from ..format.keys import chunk_keys, reusable_chunks
 from ..format.ladder import parse_ladder, rung_name
 from ..store import KVStore
+from ..store.deadline import call_deadline
+from .breaker import Breaker
+from .calls import StoreCalls
 from .chunkinfo import ChunkInfo
 from .costs import CostModel
 
-PROBE_THREADS = 16
+PROBE_THREADS = 16  # the fixed pool of one store's calls
+MIN_FAULT_S = 2.0  # a store fault may cost a request max(this, predicted prefill of the stored prefix)
+GIVE_UP_SHARE = 0.8  # of that, the share the store may take (the rest: what runs after giving up)
+MIN_PATIENCE_S = 0.5  # the shortest wait on one chunk (a healthy store answers well within it)
+PROBE_WAIT_S = 0.2  # how long a request waits for the breaker's probe before going without the store
+LINK_PROBE_BYTES = 256 * 1024
+LINK_PROBE_EVERY_S = 5.0
 
 
 @dataclass
@@ -83,9 +109,10 @@ class Estimate:
 class Fetcher:
     def __init__(self, store: KVStore, model_id: str, codecs: Sequence[str], chunk_tokens: int,
                  costs: Optional[CostModel] = None, adaptive: bool = False, deadline_s: float = 0.0,
-                 card: Optional[Any] = None, timeout_s: float = 20.0) -> None:
+                 card: Optional[Any] = None, timeout_s: float = 20.0, breaker: Optional[Breaker] = None) -> None:
         """``card``: the model's ``engines.ModelCard``; every rung is bound to it (codec profile,
-        KV dtype: ``Scheme.for_card``), so the keys are those ingest wrote for this engine."""
+        KV dtype: ``Scheme.for_card``), so the keys are those ingest wrote for this engine.
+        ``breaker``: the store's circuit breaker (a default one otherwise)."""
         self.store = store
         self.model_id = model_id
         self.card = card
@@ -95,10 +122,11 @@ class Fetcher:
         self.adaptive = adaptive
         self.deadline_s = deadline_s
         self.timeout_s = timeout_s  # the hard limit on a request's store calls (``fetch_timeout_s``)
-        self._pool = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="kv-probe")
+        self.calls = StoreCalls(store, PROBE_THREADS, breaker)
+        self._link_probe_at = -LINK_PROBE_EVERY_S
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        self.calls.close()
 
     # -- plan --------------------------------------------------------------------------------
     def plan(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None,
@@ -108,11 +136,8 @@ class Fetcher:
         schemes = list(schemes or self.schemes)
         all_keys = [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit) for s in schemes]
         flat = [k for keys in all_keys for k in keys]
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            found = list(self._pool.map(self.store.exists, flat, timeout=timeout)) if flat else []
-        except FutureTimeout:
-            raise StoreTimeout(f"the store did not answer the look-up within {self.timeout_s:g}s") from None
+        futures = [self.calls.submit(self.store.exists, k, deadline=deadline) for k in flat]
+        found = self.calls.wait(futures, deadline, "look-up")
         present = dict(zip(flat, found, strict=True))
         runs = []
         for scheme, keys in zip(schemes, all_keys, strict=True):
@@ -141,8 +166,10 @@ class Fetcher:
         fits = [e for e in estimates if e.stage_s * remaining <= budget_s]
         return fits + [e for e in fastest if e not in fits] if fits else fastest
 
-    def _recompute_reason(self, plan: Plan, index: int) -> str:
-        """Why the chunks from ``index`` on are better recomputed, or '' if fetching them is faster."""
+    def _predict(self, plan: Plan, index: int) -> Tuple[float, float]:
+        """(seconds to fetch, seconds to compute) the chunks from ``index`` on."""
+        if index >= plan.n_chunks:
+            return 0.0, 0.0
         remaining = plan.n_chunks - index
         # A chunk's estimates depend only on which rungs hold it: one estimate per set of rungs,
         # not one per remaining chunk (which made each request quadratic in its chunks).
@@ -155,53 +182,85 @@ class Fetcher:
             per_chunk.append(best[rungs])
         last = per_chunk[-1]
         fetch_s = sum(e.stage_s for e in per_chunk) + last.decode_s + last.restore_s  # the pipeline drains
-        compute_s = self.costs.prefill_s_per_token * remaining * self.chunk_tokens
+        return fetch_s, self.costs.prefill_s_per_token * remaining * self.chunk_tokens
+
+    def _recompute_reason(self, plan: Plan, index: int) -> str:
+        """Why the chunks from ``index`` on are better recomputed, or '' if fetching them is faster."""
+        fetch_s, compute_s = self._predict(plan, index)
         if fetch_s <= compute_s:
             return ""
-        return (f"recompute: fetching the last {remaining} chunk(s) would take ~{fetch_s:.2f}s, "
+        return (f"recompute: fetching the last {plan.n_chunks - index} chunk(s) would take ~{fetch_s:.2f}s, "
                 f"computing them ~{compute_s:.2f}s")
+
+    def give_up_s(self, tokens: int) -> float:
+        """How long a request may wait on the store in all, when ``tokens`` tokens are stored."""
+        return min(self.timeout_s, GIVE_UP_SHARE * max(MIN_FAULT_S, self.costs.prefill_s_per_token * tokens))
+
+    def _patience_s(self, plan: Plan, index: int) -> float:
+        """How long to wait for chunk ``index``: past it, finishing the fetch is predicted slower
+        than computing the rest."""
+        compute_s = self._predict(plan, index)[1]
+        after_s = self._predict(plan, index + 1)[0]
+        return max(MIN_PATIENCE_S, compute_s - after_s)
 
     # -- fetch -------------------------------------------------------------------------------
     def fetch(self, ids: Sequence[int], session: str, reuse: bool = True,
               codecs: Optional[Sequence[str]] = None) -> Iterator[Tuple[ChunkInfo, bytes]]:
         """``codecs``: rung specs for this request only (a static choice among them)."""
-        t_request = time.time()
-        deadline = time.monotonic() + self.timeout_s
+        t_request, t0 = time.time(), time.monotonic()
         adaptive = self.adaptive and not codecs
-        try:
-            schemes = parse_ladder(list(codecs), self.card) if codecs else None
-            plan = self.plan(ids, schemes, deadline) if reuse else None
-            reason = "" if reuse else "reuse disabled by the request"
-        except StoreTimeout as exc:
-            plan, reason = None, f"store lookup timed out: {exc}"
-        except KVCodecError as exc:
-            plan, reason = None, f"store lookup failed: {exc}"
+        store = self.calls.snapshot()  # the store's calls and breaker as this request came
+        self.costs.reload()
+        plan, reason = None, "reuse disabled by the request"
+        if reuse and (reason := self.calls.gate(PROBE_WAIT_S)):
+            store = self.calls.snapshot()
+        elif reuse:
+            longest = reusable_chunks(len(ids), self.chunk_tokens) * self.chunk_tokens
+            lookup_by = t0 + self.give_up_s(longest)
+            try:
+                schemes = parse_ladder(list(codecs), self.card) if codecs else None
+                plan = self.plan(ids, schemes, lookup_by)
+            except StoreTimeout:
+                reason = f"store lookup timed out: no answer within {lookup_by - t0:.2f}s"
+            except KVCodecError as exc:
+                reason = f"store lookup failed: {exc}"
         if plan is None:
-            info = ChunkInfo(session, 0, 0, status="none", reason=reason or "no stored prefix")
+            info = ChunkInfo(session, 0, 0, status="none", reason=reason or "no stored prefix", store=store)
             info.t.update(request=t_request, sent=time.time())
             yield info, b""
             return
         n = plan.n_chunks
+        give_up = self.give_up_s(n * self.chunk_tokens)
+        store_by = t0 + give_up
+        budget = (f"the fetch deadline of {self.timeout_s:g}s" if give_up >= self.timeout_s else
+                  f"the request's store budget of {give_up:.2f}s (the predicted prefill of the prefix)")
         failed = False
         for i in range(n):
-            info = ChunkInfo(session, i, n, token_start=i * self.chunk_tokens, tokens=self.chunk_tokens)
+            info = ChunkInfo(session, i, n, token_start=i * self.chunk_tokens, tokens=self.chunk_tokens,
+                             store=store if i == 0 else {})
             info.t["request"] = t_request
             info.t["fetch_start"] = time.time()
             data = b""
             if failed:
                 info.fail("miss", "an earlier chunk failed")
-            elif time.monotonic() >= deadline:
-                info.fail("timeout", f"the fetch deadline of {self.timeout_s:g}s passed")
+            elif time.monotonic() >= store_by:
+                info.fail("timeout", f"{budget} passed")
             elif adaptive and (why := self._recompute_reason(plan, i)):
                 info.fail("recompute", why)
+                self._probe_link(plan)
             else:
-                data = self._fetch_chunk(info, plan, i, adaptive, t_request, deadline)
+                wait_by, why = store_by, budget
+                if adaptive and (patience := self._patience_s(plan, i)) < store_by - time.monotonic():
+                    wait_by = time.monotonic() + patience
+                    why = f"{patience:.2f}s, past which recomputing the rest is predicted faster"
+                data = self._fetch_chunk(info, plan, i, adaptive, t_request, wait_by, why)
             failed = not info.ok
             info.t["sent"] = time.time()
             yield info, data
 
     def _fetch_chunk(self, info: ChunkInfo, plan: Plan, i: int, adaptive: bool, t_request: float,
-                     deadline: float) -> bytes:
+                     deadline: float, why: str) -> bytes:
+        """``why``: what ``deadline`` is, for the reason of a timeout."""
         if adaptive:
             estimates = self.estimates(plan, i)
             budget = self.deadline_s - (time.time() - t_request) if self.deadline_s > 0 else None
@@ -217,10 +276,10 @@ class Fetcher:
             info.scheme, info.scheme_id, info.key = scheme.name, scheme.identity, key
             t_get = time.perf_counter()
             try:
-                call = self._pool.submit(self.store.get, key)
-                data = call.result(timeout=max(0.0, deadline - time.monotonic())) or b""
-            except FutureTimeout:
-                errors.append(f"timeout: the store did not answer within the fetch deadline of {self.timeout_s:g}s")
+                call = self.calls.submit(self.store.get, key, deadline=deadline)
+                data = self.calls.wait([call], deadline, f"chunk {i}")[0] or b""
+            except StoreTimeout:
+                errors.append(f"timeout: the store did not answer within {why}")
                 break  # no time left for another rung
             except KVCodecError as exc:
                 errors.append(f"error: store: {exc}")
@@ -236,6 +295,23 @@ class Fetcher:
             status, _, reason = errors[-1].partition(": ")
             info.fail(status, reason if len(errors) == 1 else f"{reason} (tried {len(errors)} rungs)")
         return data
+
+    def _probe_link(self, plan: Plan) -> None:
+        """Measure the link in the background when recomputing was chosen (see the module's docstring)."""
+        now = time.monotonic()
+        if now - self._link_probe_at < LINK_PROBE_EVERY_S or not self.calls.breaker.allow():
+            return
+        self._link_probe_at = now
+        key = plan.candidates(0)[0][1]
+
+        def measure():
+            t = time.perf_counter()
+            with call_deadline(time.monotonic() + LINK_PROBE_EVERY_S):
+                data = self.store.get_range(key, 0, LINK_PROBE_BYTES)
+            if data:
+                self._observe(len(data), time.perf_counter() - t)
+
+        self.calls.submit(measure, deadline=now + LINK_PROBE_EVERY_S)
 
     def _observe(self, nbytes: int, seconds: float) -> None:
         try:

@@ -8,7 +8,7 @@ is not known yet (``None``) is left out of the JSON.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .chunkinfo import ChunkInfo
 
@@ -42,6 +42,8 @@ class RequestStats:
     t_request: Optional[float] = None  # wall clock when kv_fetch took the request
     pipeline: Pipeline = field(default_factory=Pipeline)
     chunks: List[dict] = field(default_factory=list)  # per chunk: index, status, scheme, bytes, stamps, choice
+    store: Dict[str, Any] = field(default_factory=dict)  # kv_fetch's store as the request came: breaker
+    # (closed | half-open | open), threads, running, queued, abandoned calls (``serving.calls``)
     prompt_tokens: Optional[int] = None  # tokens in the prompt
     computed_tokens: Optional[int] = None  # prompt tokens the engine computed
     compute_first_token_s: Optional[float] = None  # engine seconds to the first token
@@ -71,6 +73,7 @@ class RequestStats:
             restore_s=round(sum(i.s.get("restore", 0.0) for i in infos), 6),
             t_request=min((i.t["request"] for i in infos if "request" in i.t), default=None),
             pipeline=overlap(infos),
+            store=dict(infos[0].store) if infos else {},
             chunks=[{"index": i.index, "status": i.status, "scheme": i.scheme, "scheme_id": i.scheme_id,
                      "bytes": i.bytes, "t": i.t, "s": i.s, "choice": i.choice, "reason": i.reason} for i in infos],
         )
