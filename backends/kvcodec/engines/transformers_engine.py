@@ -12,6 +12,7 @@ SmolLM2-135M-Instruct (``model_files``). It keeps the contract of ``kvcodec.engi
 """
 from __future__ import annotations
 
+import inspect
 from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -49,6 +50,9 @@ class TransformersEngine(model_files.EngineFiles):
         self.device = torch.device(device)
         self.tokenizer = Tokenizer(files)
         self.model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).to(self.device).eval()
+        # transformers 5.20+ names the cache argument ``cache`` (``past_key_values`` is deprecated and
+        # warns); the vLLM venv pins an older transformers that only knows ``past_key_values``
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         cfg = self.model.config
         if files.card is None:  # the embedded model
             model_files.check_config(cfg.to_dict())
@@ -92,7 +96,7 @@ class TransformersEngine(model_files.EngineFiles):
         with torch.inference_mode():
             for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
                 x = torch.tensor([list(ids[start : start + chunk_tokens])], device=self.device)
-                self.model(input_ids=x, past_key_values=cache, use_cache=True)
+                self.model(input_ids=x, **{self._cache_arg: cache}, use_cache=True)
                 yield self._cache_to_numpy(cache, start, start + chunk_tokens)
 
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray:
@@ -102,7 +106,7 @@ class TransformersEngine(model_files.EngineFiles):
         cache = self._cache_from(past_kv)
         x = torch.tensor([list(ids)], device=self.device)
         with torch.inference_mode():
-            logits = self.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0]
+            logits = self.model(input_ids=x, **{self._cache_arg: cache}, use_cache=True).logits[0]
         return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
 
     def _cache_from(self, past_kv: np.ndarray):
@@ -134,7 +138,7 @@ class TransformersEngine(model_files.EngineFiles):
         x = torch.tensor([list(ids[start:])], device=self.device)
         with torch.inference_mode():
             for _ in range(max_tokens):
-                logits = self.model(input_ids=x, past_key_values=cache, use_cache=True).logits
+                logits = self.model(input_ids=x, **{self._cache_arg: cache}, use_cache=True).logits
                 token = int(logits[0, -1].argmax())
                 yield token
                 if token == self.eos_token_id:
