@@ -89,9 +89,12 @@ class CostModel:
         return rtt + nbytes / rate
 
     # -- recording ---------------------------------------------------------------------------
-    def observe_transfer(self, store_url: str, nbytes: int, seconds: float, save: bool = True) -> None:
+    def observe_transfer(self, store_url: str, nbytes: int, seconds: float, save: bool = True,
+                         fresh: bool = False) -> None:
         """One GET of ``nbytes`` took ``seconds``. Small objects say more about the round trip.
-        The rate is averaged as seconds per byte, so that one slow transfer moves it at once."""
+        The rate is averaged as seconds per byte, so that one slow transfer moves it at once;
+        ``fresh``: the measurement replaces the rate (the fetcher's link probe, taken when the
+        estimate made it recompute, so that one slow moment does not keep reuse off for good)."""
         if seconds <= 0:
             return
 
@@ -99,7 +102,8 @@ class CostModel:
             link = data["links"].setdefault(store_url, {})
             rtt = link.get("rtt_s", 0.0)
             if nbytes >= 64 * 1024:
-                link["s_per_byte"] = _ewma(link.get("s_per_byte"), max(seconds - rtt, seconds * 0.1) / nbytes)
+                value = max(seconds - rtt, seconds * 0.1) / nbytes
+                link["s_per_byte"] = value if fresh else _ewma(link.get("s_per_byte"), value)
             else:
                 link["rtt_s"] = _ewma(link.get("rtt_s"), seconds)
         self._update(update, save)

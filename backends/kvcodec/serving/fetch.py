@@ -209,12 +209,12 @@ class Fetcher:
         """``codecs``: rung specs for this request only (a static choice among them)."""
         t_request, t0 = time.time(), time.monotonic()
         adaptive = self.adaptive and not codecs
-        store = self.calls.snapshot()  # the store's calls and breaker as this request came
         self.costs.reload()
         plan, reason = None, "reuse disabled by the request"
-        if reuse and (reason := self.calls.gate(PROBE_WAIT_S)):
-            store = self.calls.snapshot()
-        elif reuse:
+        if reuse:
+            reason = self.calls.gate(PROBE_WAIT_S)  # '' unless the store's breaker keeps it out
+        store = self.calls.snapshot()  # the store's calls and breaker as this request came
+        if reuse and not reason:
             longest = reusable_chunks(len(ids), self.chunk_tokens) * self.chunk_tokens
             lookup_by = t0 + self.give_up_s(longest)
             try:
@@ -309,12 +309,12 @@ class Fetcher:
             with call_deadline(time.monotonic() + LINK_PROBE_EVERY_S):
                 data = self.store.get_range(key, 0, LINK_PROBE_BYTES)
             if data:
-                self._observe(len(data), time.perf_counter() - t)
+                self._observe(len(data), time.perf_counter() - t, fresh=True)
 
         self.calls.submit(measure, deadline=now + LINK_PROBE_EVERY_S)
 
-    def _observe(self, nbytes: int, seconds: float) -> None:
+    def _observe(self, nbytes: int, seconds: float, fresh: bool = False) -> None:
         try:
-            self.costs.observe_transfer(self.store.url, nbytes, seconds)
+            self.costs.observe_transfer(self.store.url, nbytes, seconds, fresh=fresh)
         except OSError:
             pass  # a cost file we cannot write only makes estimates staler
