@@ -16,6 +16,7 @@ tritonserver launcher, bench, demo, rd, eval). Imports go one way: tools -> clie
     kvcodec bench concurrency [--engine E] --clients 1,4,8 --requests 4 [--json perf/results/concurrency.json]
     kvcodec repository --variant cpu|gpu|trtllm --out DIR [--gpus 0] [--store URL] [--ladder RUNGS]
     kvcodec soak     [--engine E] --clients 8 --duration-s 300 --protocols grpc,http [--json perf/results/reliability.json]
+    kvcodec store usage --store URL [--json];  kvcodec store gc --store URL --max-bytes N [--older-than D]
 
 Commands that load a model take ``--model DIR`` (a Hugging Face folder of a Llama-family model;
 default the embedded SmolLM2-135M-Instruct). Settings not given as flags come from ``KVCODEC_*``
@@ -61,6 +62,7 @@ def cmd_serve(args) -> int:
 
     settings = _settings(args)
     engines.prepare(settings)
+    _warn_unfitted(settings)
     server = TritonServer(Path(args.model_repository), settings,
                           Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host)
     stopping, watching = [], []  # watching: non-empty while a watchdog runs (it may be restarting the server)
@@ -88,6 +90,23 @@ def cmd_serve(args) -> int:
     server.stop()
     print("kvcodec serve: stopped", flush=True)
     return 0 if stopping else code
+
+
+def _warn_unfitted(settings) -> None:
+    """One line if the ladder or the write-back rungs need a codec profile this model lacks: those
+    rungs are misses, and write-back at them fails, until ``kvcodec profile fit --model`` has run."""
+    from kvcodec.engines import model_card
+    from kvcodec.errors import ConfigError
+    from kvcodec.format.ladder import parse_ladder
+    from kvcodec.profiles import require_profiles
+
+    card = model_card(settings)
+    try:
+        for rungs in (settings.ladder, settings.writeback):
+            if rungs:
+                require_profiles(parse_ladder(list(rungs), card))
+    except ConfigError as exc:
+        print(f"kvcodec serve: warning: {exc}", file=sys.stderr, flush=True)
 
 
 def _serve_watched(server, stopping: list, watching: list, start_timeout_s: float) -> int:
@@ -510,6 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", default="int8-zstd", help="the rung to ingest and reuse (raw: the engine's own KV)")
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_demo)
+
+    from kvcodec_tools.store_cli import add_store_parser  # kvcodec store usage | gc
+
+    add_store_parser(sub)
     return parser
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcodec.engines import model_card, open_engine, tokenizer
-from kvcodec.engines.model_files import ensure_model
+from kvcodec.engines import model_card, open_engine
+from kvcodec.engines.model_files import ensure_model, files_for
+from kvcodec.engines.tokenizer import Tokenizer
 from kvcodec.errors import ConfigError, Unsupported
 from kvcodec.format.ladder import parse_ladder
 from kvcodec.profiles import find_profile, require_profiles
@@ -103,6 +104,9 @@ def test_a_rung_that_needs_a_profile_is_refused_until_one_is_fitted(models, smol
                      "--home", str(tmp_path / "home"), "--text-file", str(text), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "kvcodec ingest: codec profile" in err and "kvcodec profile fit --model" in err
+    # serve starts (the fetch misses those rungs) and says why in one line
+    cli._warn_unfitted(settings)
+    assert "kvcodec serve: warning: codec profile" in capsys.readouterr().err
     # a fitted profile file where the card looks for it ends the refusal
     from kvcodec.engines.model_files import profile_path
 
@@ -111,6 +115,8 @@ def test_a_rung_that_needs_a_profile_is_refused_until_one_is_fitted(models, smol
     path.write_bytes(b"fitted")
     assert find_profile(card.codec_profile) == path
     require_profiles(parse_ladder("kvtc-w,video", card))
+    cli._warn_unfitted(settings)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -120,7 +126,7 @@ def test_the_transformers_engine_runs_each_family_and_raw_kv_gives_its_own_token
     settings = _settings(folder, tmp_path / "cache")
     engine = open_engine(settings)
     assert engine.card == model_card(settings) and engine.geometry(1).shape == (4, 2, 2, 1, 32)
-    ids = tokenizer(settings).encode("def f(x):\n    return x * 2\n" * 60)[:540]
+    ids = Tokenizer(files_for(settings)).encode("def f(x):\n    return x * 2\n" * 60)[:540]
     assert engine.tokenize("def f(x):") == ids[:len(engine.tokenize("def f(x):"))]
     kv = np.concatenate(list(engine.prefill_chunks(ids, 256)), axis=3)
     assert kv.shape == (4, 2, 2, 512, 32) and kv.dtype == np.float32
