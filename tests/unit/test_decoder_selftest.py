@@ -1,4 +1,4 @@
-"""The decoder self-test (``kvcodec.bitstream.selftest``) and what ``ChunkDecoder`` does with it:
+"""The decoder self-test (``kvcodec.bitstream.selftest``, ``verified``, ``profiles``) and what ``ChunkDecoder`` does with it:
 reference streams against their index, PyAV passing every profile, a decoder that alters planes
 failing its profile and then not used for it, the host digest skipped only for a verified
 decoder's device output, NVDEC's device mode on a stand-in PyNvVideoCodec (torch on the CPU in
@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from kvcodec.bitstream import selftest
-from kvcodec.bitstream.hevc import DECODERS, PyAVDecoder, _luma
+from kvcodec.bitstream.hevc import DECODERS, Hevc, PyAVDecoder, _luma
 from kvcodec.bitstream.nvdec import _Cuda
+from kvcodec.bitstream.profiles import stream_profile
+from kvcodec.bitstream.verified import VerifiedDecoders
 from kvcodec.encode import ChunkEncoder
 from kvcodec.errors import CorruptChunk, Unsupported
 from kvcodec.format.codecs import SCHEMES, get_scheme
@@ -133,17 +135,22 @@ def test_the_reference_streams_match_their_index_and_the_rungs_settings():
         data = (selftest.REFERENCE_DIR / entry["file"]).read_bytes()
         assert len(data) == entry["bytes"] < 16 * 1024, f"{name}: reference streams stay small"
         assert hashlib.sha256(data).hexdigest() == entry["stream_sha256"]
-        # the rung's settings today: if they change, regenerate (python -m kvcodec.bitstream.selftest --regenerate)
+        # the rung's settings today: if they change, regenerate (python -m kvcodec_tools.decoder_selftest --regenerate)
         assert entry["codec_params"] == SCHEMES[name].codec_params, f"{name}: settings changed; regenerate"
         frames, height, width = entry["shape"]
-        assert min(height, width) >= 144 and frames > 4  # NVDEC's HEVC minimum; more frames than its display delay
+        assert min(height, width) >= 144  # NVDEC's HEVC minimum
+        tiling = Hevc(**entry["codec_params"]).tiling(tuple(entry["planes_shape"]))
+        if tiling is None:  # more frames than NVDEC's display delay
+            assert frames > 4 and entry["shape"] == entry["planes_shape"]
+        else:  # the planes in one larger frame, as the rung's chunks are
+            assert entry["shape"] == list(tiling.frame_shape) and frames < entry["planes_shape"][0]
         planes = np.stack(PyAVDecoder().decode(data, width, height, entry["bit_depth"]))
         assert f"{planes.dtype.name}{list(planes.shape)}" == f"{entry['dtype']}{entry['shape']}"
         assert selftest._digest(planes) == entry["planes_digest"]
         top = (1 << entry["bit_depth"]) - 1
         assert planes.min() == 0 and planes.max() == top, f"{name}: both ends of the range"
         if entry["codec_params"]["lossless"]:
-            assert np.array_equal(planes, selftest.reference_planes(entry["bit_depth"]))
+            assert np.array_equal(planes, selftest.reference_frames(entry))
 
 
 def test_pyav_passes_the_self_test_for_every_profile():
@@ -175,13 +182,13 @@ def test_a_damaged_or_missing_reference_is_an_error_not_a_pass(tmp_path):
     ({"lossless": False, "bit_depth": "ten"}, None),
 ])
 def test_stream_profile_of_a_chunks_settings(params, profile):
-    assert selftest.stream_profile(params) == profile
+    assert stream_profile(params) == profile
 
 
 # -- a decoder that fails a profile is not used for it ----------------------------------------------
 def test_a_decoder_returning_altered_planes_fails_that_profile_only(register):
     register("altering10", Altering10Decoder)
-    decoders = selftest.VerifiedDecoders("altering10")
+    decoders = VerifiedDecoders("altering10")
     results = decoders.results["altering10"]
     assert results["video"]["status"] == "mismatch" and "digest differs" in results["video"]["detail"]
     assert results["lossless8"]["ok"] and results["video-q8"]["ok"]
@@ -239,7 +246,7 @@ def test_auto_falls_back_to_pyav_for_a_profile_nvdec_failed(register, tiny_profi
 def test_auto_makes_no_pyav_when_the_first_decoder_passes_everything(register, monkeypatch):
     monkeypatch.setitem(DECODERS._targets, "nvdec", f"{HERE}:CountingDecoder")
     monkeypatch.delitem(DECODERS._loaded, "nvdec", raising=False)
-    decoders = selftest.VerifiedDecoders("auto")
+    decoders = VerifiedDecoders("auto")
     assert list(decoders.decoders) == ["nvdec"] and decoders.verified_profiles == set(selftest.PROFILES)
 
 
@@ -334,9 +341,14 @@ def test_a_device_decoder_wrong_at_another_size_is_caught_by_that_sizes_first_ch
 
 # -- NVDEC's device mode on a stand-in PyNvVideoCodec (torch on the CPU for the GPU) -----------------
 class FakeNvc(types.ModuleType):
-    """Just enough of PyNvVideoCodec 2.2.4: CreateDecoder -> a decoder whose Decode(PacketData)
-    decodes the packet's bytes with PyAV and returns NV12 / P016 frames (torch tensors with padded
-    rows, as DLPack would give them), holding the last two back until the flush."""
+    """Just enough of PyNvVideoCodec 2.2.4, behaving as the real one does with the arguments it is
+    given: CreateDecoder -> a session whose Decode(PacketData) decodes the packet's bytes with PyAV,
+    holding the last two frames back until the flush. ``usedevicememory=True``: frames are DLPack
+    stand-ins (torch tensors with padded rows, NV12 / P016), readable only when the session was made
+    in the caller's context and stream (``CpuCuda.handles``; any other context's memory is not
+    addressable from torch); else host frames (``framesize``, ``GetPtrToPlane``, packed). Frames
+    larger than the session's ``maxwidth`` x ``maxheight`` fail, and sizes outside the caps
+    (144..8192) are refused, as NVDEC's are."""
 
     def __init__(self, p016_as_bytes: bool = False) -> None:
         super().__init__("PyNvVideoCodec")
@@ -344,11 +356,12 @@ class FakeNvc(types.ModuleType):
         # 2.2.4 has no YUV420 here (seen on the H200); the member is found by its name's "420"
         self.cudaVideoChromaFormat = enum.IntEnum("cudaVideoChromaFormat",
                                                   {"Monochrome": 0, "_420": 1, "_422": 2, "_444": 3})
-        self.created = []
+        self.sessions = 0
         self.p016_as_bytes = p016_as_bytes
 
     def GetDecoderCaps(self, chromaformat, **_):
-        assert chromaformat is self.cudaVideoChromaFormat["_420"]
+        if chromaformat is not self.cudaVideoChromaFormat["_420"]:
+            raise RuntimeError("caps asked for another chroma format")
         return {"width_min": 144, "height_min": 144, "width_max": 8192, "height_max": 8192}
 
     class PacketData:
@@ -356,18 +369,34 @@ class FakeNvc(types.ModuleType):
         bsl_data = 0
 
     def CreateDecoder(self, **kwargs):
-        self.created.append(kwargs)
-        return FakeSession(self)
+        self.sessions += 1
+        return FakeSession(self, kwargs)
+
+
+class HostFrame:
+    """A decoded frame in host memory: packed NV12 / P016 at an address (the session keeps it alive)."""
+
+    def __init__(self, buf: np.ndarray) -> None:
+        self.buf = buf
+
+    def framesize(self):
+        return self.buf.nbytes
+
+    def GetPtrToPlane(self, plane):
+        return self.buf.ctypes.data
 
 
 class FakeSession:
-    def __init__(self, nvc: FakeNvc) -> None:
-        self.nvc, self.held, self.size = nvc, [], None
+    def __init__(self, nvc: FakeNvc, made: dict) -> None:
+        self.nvc, self.made, self.held, self.size = nvc, made, [], None
+        self.device = bool(made["usedevicememory"])
 
     def setReconfigParams(self, width, height):
         self.size = (width, height)
 
     def Decode(self, pkt):
+        if self.device and (self.made["cudacontext"], self.made["cudastream"]) != CpuCuda.HANDLES:
+            raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT: the frames are not addressable from the caller's context")
         if not pkt.bsl:
             out, self.held = self.held, []
             return out
@@ -382,11 +411,16 @@ class FakeSession:
         ctx = av.CodecContext.create("hevc", "r")
         out = []
         for frame in [f for p in ctx.parse(data) + ctx.parse(None) for f in ctx.decode(p)] + list(ctx.decode(None)):
+            if frame.width > self.made["maxwidth"] or frame.height > self.made["maxheight"]:
+                raise RuntimeError(f"frame {frame.width}x{frame.height} exceeds the session's surfaces")
             wide = frame.format.name == "yuv420p10le"
             y = _luma(frame, frame.width, frame.height, 10 if wide else 8)
-            pitch = frame.width + 40
+            pitch = frame.width + 40 if self.device else frame.width  # host frames are packed
             buf = np.full((frame.height * 3 // 2, pitch), 0x5A5A if wide else 0x5A, np.uint16 if wide else np.uint8)
             buf[:frame.height, :frame.width] = (y.astype(np.uint16) << 6) if wide else y
+            if not self.device:
+                out.append(HostFrame(buf))
+                continue
             if wide and self.nvc.p016_as_bytes:
                 buf = buf.view(np.uint8)
             out.append(torch.from_numpy(buf.view(np.int16) if buf.dtype == np.uint16 else buf))
@@ -396,11 +430,13 @@ class FakeSession:
 class CpuCuda:
     """``nvdec._Cuda`` on the CPU: no context or stream; the frame -> luma code is the real one."""
 
+    HANDLES = (0xC0, 0x5E)  # (context, stream): torch's, as the real one retains them
+
     def __init__(self, gpu_id):
         self.torch, self.device, self.gpu_id, self.closed = torch, torch.device("cpu"), gpu_id, False
 
     def handles(self):
-        return 0xC0, 0x5E
+        return self.HANDLES
 
     def ordered(self):
         import contextlib
@@ -423,29 +459,72 @@ def fake_nvc(request, monkeypatch):
     return fake
 
 
-def test_nvdec_device_output_creates_its_session_in_device_memory_and_passes_the_self_test(fake_nvc):
+def _pyav_frames(data, width, height, bit_depth):
+    return np.stack(PyAVDecoder().decode(data, width, height, bit_depth))
+
+
+def test_nvdec_device_output_gives_device_tensors_bit_exact_with_pyav_and_passes_the_self_test(fake_nvc):
+    """Device mode: the frames come back as tensors on the decoder's device (contiguous, uint16 for
+    Main10 whether P016 is exported as words or bytes), equal to PyAV's; the session is usable from
+    the caller's context (the fake refuses any other); the self-test passes on every profile."""
     from kvcodec.bitstream.nvdec import NvdecDecoder
 
     dec = NvdecDecoder(gpu_id=2, device_output=True)
-    assert dec.device_output and fake_nvc.created[-1] == {
-        "gpuid": 2, "codec": "hevc", "cudacontext": 0xC0, "cudastream": 0x5E, "usedevicememory": True,
-        "maxwidth": 2048, "maxheight": 2048}
-    assert dec._limits["width_max"] == 8192  # the caps query found the 4:2:0 member
+    assert dec.device_output
     results = selftest.verify(dec)
     assert all(r["ok"] for r in results.values()), results
-    data = (selftest.REFERENCE_DIR / "video.hevc").read_bytes()
-    planes = dec.decode(data, selftest.WIDTH, selftest.HEIGHT, 10)
+    data = (selftest.REFERENCE_DIR / "video-q8.hevc").read_bytes()
+    planes = dec.decode(data, selftest.WIDTH, selftest.HEIGHT, 8)
+    assert all(isinstance(p, torch.Tensor) and p.dtype == torch.uint8 and p.is_contiguous() for p in planes)
+    assert np.array_equal(torch.stack(planes).numpy(), _pyav_frames(data, selftest.WIDTH, selftest.HEIGHT, 8))
+    entry = selftest.load_index()["profiles"]["video"]
+    data = (selftest.REFERENCE_DIR / entry["file"]).read_bytes()
+    frames, height, width = entry["shape"]
+    planes = dec.decode(data, width, height, 10)
     assert all(isinstance(p, torch.Tensor) and p.dtype == torch.uint16 and p.is_contiguous() for p in planes)
+    got = torch.stack(planes).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(got, _pyav_frames(data, width, height, 10))
     dec.close()
     assert dec._cuda.closed
 
 
-def test_nvdec_host_mode_is_the_default(fake_nvc):
+def test_nvdec_host_mode_is_the_default_and_gives_host_arrays_bit_exact_with_pyav(fake_nvc):
     from kvcodec.bitstream.nvdec import NvdecDecoder
 
     dec = NvdecDecoder()
-    assert not dec.device_output and dec._cuda is None
-    assert fake_nvc.created[-1]["usedevicememory"] is False and fake_nvc.created[-1]["cudacontext"] == 0
+    assert not dec.device_output
+    assert all(r["ok"] for r in selftest.verify(dec).values())
+    data = (selftest.REFERENCE_DIR / "lossless8.hevc").read_bytes()
+    planes = dec.decode(data, selftest.WIDTH, selftest.HEIGHT, 8)
+    assert all(isinstance(p, np.ndarray) for p in planes)
+    assert np.array_equal(np.stack(planes), selftest.reference_planes(8))
+
+
+def test_nvdec_decodes_frames_larger_than_its_first_surfaces_and_refuses_sizes_nvdec_cannot(fake_nvc):
+    """A tiled chunk's frame wider than the decoder's first surfaces (2048) makes a new session
+    sized for it and decodes bit-exactly; a frame below NVDEC's 144x144 is Unsupported (a miss)."""
+    from kvcodec.bitstream.nvdec import NvdecDecoder
+
+    dec = NvdecDecoder(device_output=True)
+    big = (np.arange(2 * 160 * 2304) % 251).astype(np.uint8).reshape(2, 160, 2304)
+    data = Hevc(lossless=True).encode(big)
+    planes = dec.decode(data, 2304, 160, 8)
+    assert np.array_equal(torch.stack(planes).numpy(), big) and fake_nvc.sessions == 2
+    small = Hevc(lossless=True).encode(np.zeros((1, 128, 128), np.uint8))
+    with pytest.raises(Unsupported, match="NVDEC cannot decode 128x128"):
+        dec.decode(small, 128, 128, 8)
+    dec.close()
+
+
+def test_nvdec_device_output_made_outside_the_callers_context_fails_its_self_test(fake_nvc, monkeypatch):
+    """The same fake, with a context that is not torch's: nothing decodes, every profile fails, so
+    a ChunkDecoder would never use it (the self-test is what catches a wrongly made session)."""
+    from kvcodec.bitstream.nvdec import NvdecDecoder
+
+    monkeypatch.setattr(CpuCuda, "handles", lambda self: (0xBAD, 0x5E))
+    dec = NvdecDecoder(device_output=True)
+    results = selftest.verify(dec)
+    assert all(r["status"] == "error" and "INVALID_CONTEXT" in r["detail"] for r in results.values()), results
 
 
 def test_nvdec_device_output_without_cuda_is_unsupported(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 
 from kvcodec.bitstream.hevc import Hevc, PyAVDecoder
 from kvcodec.bitstream.isolated import ProcessDecoder
-from kvcodec.bitstream.selftest import VerifiedDecoders
+from kvcodec.bitstream.verified import VerifiedDecoders
 from kvcodec.errors import CorruptChunk, DecoderCrashed, DecodeTimeout
 from kvcodec.serving.decode import status_of
 

@@ -11,23 +11,26 @@ otherwise ``qp`` sets a constant quantizer. Frame order is the stream order (raw
 no timestamps). ``x265`` sets x265's coding tools (``"rd=2:info=0"``: ``TOOLS`` names those a scheme
 may set; what keeps every frame an intra picture is not among them), measured for speed, size
 and distortion by ``perf/kvcodec_tools/encode_speed.py``.
+
+``tile`` (Mpixel, 0: off, the default) tiles the planes into few large frames before encoding and
+back after decoding (``bitstream.tiling``: the arrangement follows from the planes' shape, so the
+header's ``planes_shape`` and digest stay the planes'); ``stream_shape(planes_shape)`` is the
+stream's ``(frames, height, width)`` and ``decode_with(decoder, data, planes_shape)`` decodes with
+any decoder of the contract above (a self-tested one: ``serving.decode``) and untiles, on the
+host or on the decoder's device.
 """
 from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import CorruptChunk, Unsupported
-from ..registry import Registry
+from ..errors import CorruptChunk
 from . import BitstreamCoder
-
-DECODERS: Registry = Registry("hevc decoder")
-DECODERS.register("pyav", "kvcodec.bitstream.hevc:PyAVDecoder")
-DECODERS.register("nvdec", "kvcodec.bitstream.nvdec:NvdecDecoder")
-DECODERS.register("pyav-process", "kvcodec.bitstream.isolated:ProcessDecoder")
+from .decoders import DECODERS, make_decoder  # noqa: F401  (the factory; DECODERS here for its importers)
+from .tiling import Tiling
 
 
 class PyAVDecoder:
@@ -101,24 +104,12 @@ def _luma(frame, width: int, height: int, bit_depth: int = 8) -> np.ndarray:
     return rows[:, :width]
 
 
-def make_decoder(name: str, threads: int = 1):
-    """``auto`` picks NVDEC when it can be opened here, else PyAV."""
-    if name == "auto":
-        try:
-            return DECODERS.get("nvdec")()
-        except Unsupported:
-            return DECODERS.get("pyav")(threads=threads)
-    if name == "pyav":
-        return DECODERS.get("pyav")(threads=threads)
-    return DECODERS.get(name)()
-
-
 class Hevc(BitstreamCoder):
     name = "hevc"
     RUNTIME_OPTIONS = ("decoder", "threads")
 
     def __init__(self, lossless: bool = True, qp: int = 0, preset: str = "ultrafast", decoder: str = "pyav",
-                 threads: int = 1, bit_depth: int = 8, tune: str = "", x265: str = "") -> None:
+                 threads: int = 1, bit_depth: int = 8, tune: str = "", x265: str = "", tile: int = 0) -> None:
         # Only what shapes the bitstream goes into params (and so into headers and keys); an
         # 8-bit stream keeps the parameters (and the chunk keys) it had before 10-bit existed.
         if int(bit_depth) not in PIX_FMT:
@@ -129,6 +120,10 @@ class Hevc(BitstreamCoder):
         tools = x265_tools(x265)
         if tools:  # only when set: the identities of schemes without it stay as they were
             extra["x265"] = tools
+        if not isinstance(tile, int) or isinstance(tile, bool) or not 0 <= tile <= 64:
+            raise ValueError(f"hevc tile must be 0..64 Mpixel per frame, got {tile!r}")
+        if tile:  # likewise
+            extra["tile"] = int(tile)
         super().__init__(lossless=bool(lossless), qp=int(qp), preset=str(preset), **extra)
         self.bit_depth = int(bit_depth)
         self._threads = int(threads)
@@ -155,7 +150,25 @@ class Hevc(BitstreamCoder):
             parts.append(self.params["x265"])
         return ":".join(parts)
 
+    def tiling(self, planes_shape: Tuple[int, int, int]) -> Optional[Tiling]:
+        """How planes of ``planes_shape`` are laid out in frames (None: one plane a frame)."""
+        return Tiling.of(planes_shape, self.params["tile"]) if self.params.get("tile") else None
+
+    def stream_shape(self, planes_shape: Tuple[int, int, int]) -> Tuple[int, int, int]:
+        """The stream's ``(frames, height, width)`` for planes of ``planes_shape``."""
+        tiling = self.tiling(planes_shape)
+        return tiling.frame_shape if tiling is not None else tuple(int(v) for v in planes_shape)
+
     def encode(self, planes: np.ndarray) -> bytes:
+        tiling = self.tiling(planes.shape)
+        if tiling is not None:
+            if planes.dtype != SAMPLE[self.bit_depth]:
+                raise ValueError(f"{self.bit_depth}-bit hevc planes must be {np.dtype(SAMPLE[self.bit_depth]).name}, "
+                                 f"got {planes.dtype}")
+            planes = tiling.tile(planes, fill=1 << (self.bit_depth - 1))
+        return self._encode_frames(planes)
+
+    def _encode_frames(self, planes: np.ndarray) -> bytes:
         import av
 
         frames, height, width = planes.shape
@@ -183,11 +196,24 @@ class Hevc(BitstreamCoder):
         return b"".join(bytes(p) for p in packets)
 
     def decode(self, data: bytes, shape: Tuple[int, int, int]) -> np.ndarray:
-        frames, height, width = shape
-        out = self.decoder.decode(data, width, height, self.bit_depth)
+        return self.decode_with(self.decoder, data, shape)
+
+    def decode_with(self, decoder: Any, data: Any, shape: Tuple[int, int, int]) -> Any:
+        """Planes ``shape`` from ``data`` decoded by ``decoder`` (``decode(data, width, height,
+        bit_depth)`` -> frames, numpy or torch tensors on a device), untiled where tiled: a numpy
+        array, or a tensor on the decoder's device."""
+        tiling = self.tiling(shape)
+        frames, height, width = tiling.frame_shape if tiling is not None else shape
+        out = decoder.decode(data, width, height, self.bit_depth)
         if len(out) != frames:
             raise CorruptChunk(f"hevc stream held {len(out)} frames, expected {frames}")
-        return np.stack(out)
+        if not out or isinstance(out[0], np.ndarray):
+            stacked = np.stack(out) if out else np.zeros((0, height, width), SAMPLE[self.bit_depth])
+        else:
+            import torch
+
+            stacked = torch.stack(list(out))
+        return stacked if tiling is None else tiling.untile(stacked)
 
     def close(self) -> None:
         if self._decoder is not None:

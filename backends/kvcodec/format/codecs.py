@@ -118,6 +118,13 @@ SCHEMES: Dict[str, Scheme] = {
                                        "x265": "ctu=16:max-tu-size=16:sao=0:info=0"},
                          layout_params={"step": 40, "reorder": 1, "weighted": 1, "sink": 4},
                          quality_param="qp"),
+    # the video rung's planes tiled into few large frames for NVDEC (``bitstream.tiling``: a
+    # 256-token SmolLM2 chunk is one 1536x1920 frame instead of 60 of 256x192)
+    "video-tiled": Scheme("video-tiled", layout="pca10", codec="hevc",
+                          codec_params={"lossless": False, "qp": 13, "preset": "medium", "bit_depth": 10, "tune": "mse",
+                                        "tile": 4},
+                          layout_params={"step": 40, "reorder": 1, "weighted": 1, "sink": 4},
+                          quality_param="qp"),
     "video-q8": Scheme("video-q8", layout="q8", codec="hevc",
                        codec_params={"lossless": False, "qp": 8, "preset": "ultrafast"}, quality_param="qp", version=2,
                        baseline_only=True),

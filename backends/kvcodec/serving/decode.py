@@ -16,7 +16,7 @@ side sections (small: scales, steps, token order). Nothing is re-serialized or r
 
 Self-tested decoders (``selftest=True``, or ``device_output=True``; kv_decode's): the HEVC decoder
 is made once with the GPU id and output mode given, and checked at start-up on the reference
-stream of every stream profile the rungs write (``bitstream.selftest``; ``selftest_results``
+stream of every stream profile the rungs write (``bitstream.selftest``, ``bitstream.verified``; ``selftest_results``
 says how each fared). A decoder is not used for a profile it failed: ``decoder="auto"`` falls
 back to PyAV, any other name makes that profile's chunks misses (``Unsupported``, with the
 reason). Planes a verified decoder leaves on the device (NVDEC ``device_output``: torch tensors on
@@ -37,7 +37,9 @@ from typing import Any, Dict, Optional, Set, Tuple
 import numpy as np
 
 from ..bitstream import BitstreamCoder
-from ..bitstream.selftest import VerifiedDecoders, host_array, stream_profile
+from ..bitstream.host import host_array
+from ..bitstream.profiles import stream_profile
+from ..bitstream.verified import VerifiedDecoders
 from ..encode import PAYLOAD, make_coder, planes_digest
 from ..errors import ChunkError, CorruptChunk, DecodeTimeout, ForeignChunk, KVCodecError
 from ..format import container
@@ -154,17 +156,11 @@ class ChunkDecoder:
         (profile, shape) key when they are a verified decoder's device output, else None)."""
         profile = stream_profile(header.codec_params)
         decoder, verified = self._video.choose(profile)
-        frames, height, width = header.planes_shape
-        out = decoder.decode(payload, width, height, coder.bit_depth)
-        if len(out) != frames:
-            raise CorruptChunk(f"hevc stream held {len(out)} frames, expected {frames}")
-        if not out or isinstance(out[0], np.ndarray):
-            return np.stack(out), None
-        import torch
-
-        planes = torch.stack(out)
+        planes = coder.decode_with(decoder, payload, header.planes_shape)  # untiled where the stream is tiled
+        if isinstance(planes, np.ndarray):
+            return planes, None
         device = verified and bool(getattr(decoder, "device_output", False))
-        return planes, (profile, tuple(planes.shape)) if device else None
+        return planes, (profile, coder.stream_shape(header.planes_shape)) if device else None
 
     def close(self) -> None:
         for codec in self._codecs.values():
