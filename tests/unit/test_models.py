@@ -144,3 +144,14 @@ def test_a_sliding_window_caps_the_context_below_it(models, smollm2_folder, tmp_
     config = json.loads((source / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(config, sliding_window=1024)))
     assert model_card(_settings(folder, tmp_path / "cache")).max_context == 1023
+
+
+def test_the_engines_tokenizer_function_is_not_shadowed_by_its_submodule():
+    import importlib
+
+    import kvcodec.engines.tokenizer  # noqa: F401  (a first import of the submodule once replaced the function)
+
+    assert callable(importlib.import_module("kvcodec.engines").tokenizer)
+    from kvcodec.engines import tokenizer
+
+    assert tokenizer.__module__ == "kvcodec.engines"
