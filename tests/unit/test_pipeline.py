@@ -461,13 +461,15 @@ def test_assembler_drops_sessions_older_than_ttl():
 def test_assembler_keeps_sessions_within_ttl(monkeypatch):
     from kvcodec.serving import assemble as assembler_module
 
-    clock = iter([100.0, 100.0, 105.0, 105.0, 111.0, 111.0])
-    monkeypatch.setattr(assembler_module.time, "monotonic", lambda: next(clock))
+    now = [100.0]
+    monkeypatch.setattr(assembler_module.time, "monotonic", lambda: now[0])
     kv = np.zeros((1, 2, 1, 8, 8), np.float16)
     assembler = Assembler(ttl_s=10.0)
     assert assembler.add(ChunkInfo("a", 0, 3, tokens=8), kv) is None  # started at 100
+    now[0] = 105.0
     assert assembler.add(ChunkInfo("a", 1, 3, tokens=8), kv) is None  # 105: kept
     assert len(assembler) == 1
+    now[0] = 111.0
     assert assembler.add(ChunkInfo("b", 0, 2, tokens=8), kv) is None  # 111: "a" is 11 s old
     assert len(assembler) == 1
     assert list(assembler._pending) == ["b"]

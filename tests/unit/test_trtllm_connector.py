@@ -2,12 +2,14 @@
 
 ``Replay`` calls the connector as TensorRT-LLM 1.2's executor does (``KVCacheManager.prepare_resources``,
 ``KvCacheConnectorManager``, ``PyExecutor``): per new request ``get_num_new_matched_tokens`` then
-``update_state_after_alloc``; per step ``build_connector_meta`` (pickled, as the broadcast does),
-``bind_connector_meta``, ``start_load_kv``, per layer ``wait_for_layer_load`` / the layer's forward /
-``save_kv_layer``, ``wait_for_save``, ``get_finished``; at the end ``request_finished``. The fake
-requests and scheduler outputs have the fields the connector reads, as TensorRT-LLM's have them. The
-"model" writes a fixed KV per position; the pool is checked by raw offsets of
-``[num_blocks, layers, 2, kv_heads * tokens_per_block * head_dim]``, each block ``[heads, slots, dim]``.
+``update_state_after_alloc``; a request answered ``(n, True)`` is parked (left out of the scheduler
+output) and named in ``started_loading_req_ids`` until ``get_finished`` reports it loaded; per step
+``build_connector_meta`` (pickled, as the broadcast does), ``bind_connector_meta``, ``start_load_kv``,
+per layer ``wait_for_layer_load`` / the layer's forward / ``save_kv_layer``, ``wait_for_save``,
+``get_finished``; at the end ``request_finished``. The fake requests and scheduler outputs have the
+fields the connector reads, as TensorRT-LLM's have them. The "model" writes a fixed KV per
+position; the pool is checked by raw offsets of ``[num_blocks, layers, 2, kv_heads *
+tokens_per_block * head_dim]``, each block ``[heads, slots, dim]``.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import importlib.util
 import json
 import pickle
 import sys
+import threading
+import time
 import types
 import uuid
 from dataclasses import dataclass, field
@@ -29,9 +33,10 @@ import torch
 
 from kvcodec.connector import KVPages
 from kvcodec.encode import ChunkEncoder
-from kvcodec.engines import ModelCard
+from kvcodec.engines import ModelCard, trtllm_compat
 from kvcodec.engines import trtllm_connector as tc
 from kvcodec.engines.trtllm_config import CONFIG_ENV, TrtllmConfig, load_config
+from kvcodec.engines.trtllm_stage import Loads, Stage
 from kvcodec.errors import ConfigError, Unsupported
 from kvcodec.format.keys import chunk_keys
 from kvcodec.format.ladder import parse_ladder
@@ -63,9 +68,9 @@ def store():
     s.close()
 
 
-def config(store, ladder=("int8-zstd",), writeback=(), tmp=Path(".")) -> TrtllmConfig:
+def config(store, ladder=("int8-zstd",), writeback=(), tmp=Path("."), prefetch=True) -> TrtllmConfig:
     return TrtllmConfig(card=CARD, store=store.url, ladder=tuple(ladder), chunk_tokens=CHUNK, writeback=tuple(writeback),
-                        key_file=tmp / "unused.key")
+                        key_file=tmp / "unused.key", prefetch=prefetch)
 
 
 def ingest(store, rung: str, n_chunks: int = 3) -> List[str]:
@@ -87,6 +92,8 @@ def restored(store, key: str) -> np.ndarray:
 class FakeLlmRequest:  # bindings.internal.batch_manager.LlmRequest
     request_id: int
     tokens: List[int]
+    cache_salt: Optional[str] = None
+    is_dummy: bool = False
 
     @property
     def prompt_len(self) -> int:
@@ -138,32 +145,48 @@ def raw_read(pool: torch.Tensor, blocks, start: int, n: int) -> np.ndarray:
 
 
 class Replay:
-    """TensorRT-LLM 1.2's calls into a connector, for one engine with ``num_blocks`` blocks."""
+    """TensorRT-LLM 1.2's calls into a connector, for one engine with ``num_blocks`` blocks; its own
+    stage, loads and hand-off (one process: rank 0)."""
 
-    def __init__(self, cfg: TrtllmConfig, store, tokens_per_block: int, num_blocks: int = 80,
+    def __init__(self, cfg: TrtllmConfig, store, tokens_per_block: int, num_blocks: int = 160,
                  context_chunk: Optional[int] = None) -> None:
+        from kvcodec.connector import HandOff
+
         args = llm_args(tokens_per_block)
-        stage = tc.Stage()
-        self.scheduler = tc.KVCodecScheduler(args, cfg, store=store, stage=stage)
-        self.worker = tc.KVCodecWorker(args, cfg, store=store, stage=stage)
+        self.stage, loads, handoff = Stage(), Loads(), HandOff()
+        self.scheduler = tc.KVCodecScheduler(args, cfg, store=store, stage=self.stage, loads=loads,
+                                             pages_of=lambda: handoff.pages)
+        self.worker = tc.KVCodecWorker(args, cfg, store=store, loads=loads, handoff=handoff)
         self.bs, self.context_chunk = tokens_per_block, context_chunk
         self.pool = torch.full((num_blocks, L, 2, H * tokens_per_block * D), SENTINEL)
         self.worker.register_kv_caches(self.pool)  # once, at executor start
         self.free = np.random.default_rng(tokens_per_block).permutation(num_blocks).tolist()
         self.active: dict = {}
+        self.parked: dict = {}
         self.metas: list = []
+        self.reported: list = []
 
     def add(self, request: FakeLlmRequest, device_tokens: int = 0) -> int:
         """``addSequence`` with a device prefix-cache hit of ``device_tokens``, then ``update_state_after_alloc``."""
+        t0 = time.perf_counter()
         n, is_async = self.scheduler.get_num_new_matched_tokens(request, device_tokens)
-        assert is_async is False and device_tokens + n < request.prompt_len
+        self.answer_s = time.perf_counter() - t0
+        assert is_async is (n > 0) and device_tokens + n < request.prompt_len
         blocks = [self.free.pop() for _ in range(-(-request.prompt_len // self.bs))]
         for layer in range(L):  # what the device cache already held
             raw_write(self.pool, blocks, 0, DOC_KV[:, :, :, :device_tokens], layer)
         self.scheduler.update_state_after_alloc(request, blocks)
-        self.active[request.request_id] = dict(request=request, blocks=blocks, position=device_tokens + n,
-                                               external=n, new=True)
+        entry = dict(request=request, blocks=blocks, position=device_tokens + n, external=n, new=True)
+        (self.parked if is_async else self.active)[request.request_id] = entry
         return n
+
+    def wait_loaded(self, timeout_s: float = 10.0) -> None:
+        """Steps with nothing scheduled until every parked request is reported loaded."""
+        end = time.monotonic() + timeout_s
+        while self.parked:
+            assert time.monotonic() < end, f"requests {list(self.parked)} never reported loaded"
+            self.step()
+            time.sleep(0.005)
 
     def step(self) -> tc.KVCodecMeta:
         out, work = SchedulerOutput(), []
@@ -181,14 +204,17 @@ class Replay:
         self.metas.append(meta)
         self.worker.bind_connector_meta(meta)
         self.worker.start_load_kv(None)
-        self.after_load = self.pool.clone()
         for layer in range(L):
             self.worker.wait_for_layer_load(layer, None)
             for r, n in work:  # the layer's forward writes the KV of the positions it computes
                 raw_write(self.pool, r["blocks"], r["position"], DOC_KV[:, :, :, r["position"]:r["position"] + n], layer)
             self.worker.save_kv_layer(layer, None)
         self.worker.wait_for_save(None)
-        assert self.worker.get_finished([], []) == ([], [])
+        saving, loaded = self.worker.get_finished([], list(self.parked))
+        assert saving == [] and set(loaded) <= set(self.parked)
+        for rid in loaded:
+            self.active[rid] = self.parked.pop(rid)
+            self.reported.append(rid)
         for r, n in work:
             r["position"] += n
         return meta
@@ -211,18 +237,21 @@ def replays():
         r.close()
 
 
+def staged(replay, prompt: int, chunks: int, salt: str = "") -> None:
+    """What the ensemble's llm step does before it gives the request to the LLM API."""
+    replay.stage.put(DOC[:prompt], DOC_KV[:, :, :, :chunks * CHUNK], salt, CHUNK)
+
+
+def wait_prefetch(scheduler, count: int = 1, timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while scheduler.prefetcher.counters["prefetches"] + scheduler.prefetcher.counters["failed"] < count:
+        assert time.monotonic() < end, "the prefetch never ended"
+        time.sleep(0.01)
+    while scheduler.prefetcher._inflight:
+        time.sleep(0.01)
+
+
 # -- import ---------------------------------------------------------------------------------------------------
-def _load_probe(monkeypatch, fake_modules: dict):
-    for name, module in fake_modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    name = f"kvcodec.engines._trtllm_probe_{uuid.uuid4().hex[:8]}"
-    spec = importlib.util.spec_from_file_location(name, tc.__file__)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 SCHEDULER_ABSTRACT = ("build_connector_meta", "get_num_new_matched_tokens", "request_finished",
                       "update_state_after_alloc")
 WORKER_ABSTRACT = ("register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
@@ -254,15 +283,31 @@ def _fake_trtllm(path: str) -> dict:
     return modules
 
 
+CONNECTOR_MODULES = ("kvcodec.engines.trtllm_connector", "kvcodec.engines.trtllm_compat",
+                     "kvcodec.engines.trtllm_scheduler", "kvcodec.engines.trtllm_worker")
+
+
+def _load_probe(monkeypatch, fake_modules: dict):
+    """The connector imported afresh with ``fake_modules`` in ``sys.modules`` (restored afterwards)."""
+    for name, module in fake_modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    for name in CONNECTOR_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import kvcodec.engines as engines
+
+    monkeypatch.setattr(engines, "trtllm_connector", None, raising=False)
+    return importlib.import_module("kvcodec.engines.trtllm_connector")
+
+
 def test_imports_without_tensorrt_llm_and_subclasses_it_where_present(monkeypatch, store):
     assert "tensorrt_llm" not in sys.modules and tc.HAVE_TRTLLM is False  # not installable here
     probe = _load_probe(monkeypatch, {"tensorrt_llm": None})
-    assert probe.HAVE_TRTLLM is False and probe.KVCodecScheduler.__mro__[1].__name__ == "_SchedulerStandIn"
+    assert probe.HAVE_TRTLLM is False and probe.KVCodecScheduler.__mro__[1].__name__ == "SchedulerStandIn"
     cfg = config(store)
-    for path in tc.BASE_MODULES:  # 1.2's path, and the later one alone
+    for path in trtllm_compat.BASE_MODULES:  # 1.2's path, and the later one alone
         fake = _fake_trtllm(path)
-        if path != tc.BASE_MODULES[0]:
-            fake[tc.BASE_MODULES[0]] = None
+        if path != trtllm_compat.BASE_MODULES[0]:
+            fake[trtllm_compat.BASE_MODULES[0]] = None
         probe = _load_probe(monkeypatch, fake)
         assert probe.TRTLLM_MODULE == path
         assert issubclass(probe.KVCodecScheduler, fake[path].KvCacheConnectorScheduler)
@@ -279,22 +324,23 @@ def test_imports_without_tensorrt_llm_and_subclasses_it_where_present(monkeypatc
 def test_a_dependency_tensorrt_llm_lacks_is_not_taken_for_its_absence(monkeypatch):
     class LacksMpi4py:  # finds the connector module, whose import then needs a missing package
         def find_spec(self, name, path=None, target=None):
-            if name == tc.BASE_MODULES[0]:
+            if name == trtllm_compat.BASE_MODULES[0]:
                 raise ModuleNotFoundError("No module named 'mpi4py'", name="mpi4py")
             return None
 
-    parents = {k: v for k, v in _fake_trtllm(tc.BASE_MODULES[0]).items() if k != tc.BASE_MODULES[0]}
+    parents = {k: v for k, v in _fake_trtllm(trtllm_compat.BASE_MODULES[0]).items()
+               if k != trtllm_compat.BASE_MODULES[0]}
     monkeypatch.setattr(sys, "meta_path", [LacksMpi4py(), *sys.meta_path])
     with pytest.raises(ModuleNotFoundError, match="mpi4py"):
         _load_probe(monkeypatch, parents)
 
 
-# -- the match ------------------------------------------------------------------------------------------------
+# -- the match: only what is staged, never blocking ----------------------------------------------------------
 @pytest.mark.parametrize("tokens_per_block", [16, 32, 64, 128])
-def test_matched_tokens_are_whole_blocks_and_leave_a_prompt_token(store, tokens_per_block):
-    ingest(store, "int8-zstd", n_chunks=3)
-    scheduler = tc.KVCodecScheduler(llm_args(tokens_per_block), config(store), store=store, stage=tc.Stage())
-    rid = 0
+def test_matched_tokens_are_staged_whole_blocks_leaving_a_prompt_token(store, replays, tokens_per_block):
+    replay = replays(config(store, prefetch=False), store, tokens_per_block)
+    staged(replay, 1024, 3)  # the first 768 tokens of DOC
+    scheduler, rid = replay.scheduler, 0
     for prompt in (1, 100, 256, 257, 511, 600, 768, 769, 1000):
         for computed in (0, tokens_per_block, 3 * tokens_per_block, 5):
             if computed >= prompt:
@@ -304,27 +350,51 @@ def test_matched_tokens_are_whole_blocks_and_leave_a_prompt_token(store, tokens_
             n, is_async = scheduler.get_num_new_matched_tokens(request, computed)
             stored = CHUNK * min(3, max(0, prompt - 1) // CHUNK)
             want = 0 if computed % tokens_per_block else max(0, stored - computed)
-            assert (n, is_async) == (want, False), (prompt, computed)
+            want -= want % tokens_per_block if (computed + want) % tokens_per_block else 0
+            assert (n, is_async) == (want, want > 0), (prompt, computed)
             assert n == 0 or ((computed + n) % tokens_per_block == 0 and computed + n <= prompt - 1)
             assert scheduler.request_finished(request, []) is False
-    assert len(scheduler.stage) == 0  # what a finished request had staged is gone
-    scheduler.close()
+    assert len(scheduler._matched) == 0  # nothing a finished request was promised is left behind
+
+
+def test_the_scheduler_never_waits_for_the_store(store, replays):
+    """A store that hangs: the executor's call returns at once, the prompt is computed, and the
+    stored prefix is read in the background for the prompts that follow."""
+    ingest(store, "int8-zstd", n_chunks=3)
+    release = threading.Event()
+    real_get = store.get
+
+    def hung_get(key):
+        release.wait(30)
+        return real_get(key)
+
+    store.get = hung_get
+    replay = replays(config(store), store, 32)
+    assert replay.add(FakeLlmRequest(1, DOC[:900])) == 0
+    assert replay.answer_s < 0.5  # the store has not answered: nothing was awaited
+    release.set()
+    wait_prefetch(replay.scheduler)
+    assert replay.add(FakeLlmRequest(2, DOC[:900])) == 768
+    replay.wait_loaded()
+    assert replay.reported == [2]
 
 
 # -- the load -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tokens_per_block,device", [(16, 0), (128, 0), (16, 96), (128, 128), (32, 288)])
-def test_load_writes_exactly_the_restored_kv_and_nothing_else(store, replays, tokens_per_block, device):
+def test_load_writes_exactly_the_staged_kv_and_nothing_else(store, replays, tokens_per_block, device):
     keys = ingest(store, "int8-zstd", n_chunks=3)
     replay = replays(config(store), store, tokens_per_block)
+    first = FakeLlmRequest(6, DOC[:700])
+    assert replay.add(first) == 0  # nothing staged: computed, read in the background
+    replay.finish(first)
+    wait_prefetch(replay.scheduler)
     request = FakeLlmRequest(7, DOC[:700])
     n = replay.add(request, device_tokens=device)
     assert n == 512 - device
-    meta = replay.step()
-    (load,) = meta.loads
-    assert (load.start, load.tokens, [c.index for c in load.chunks]) == (device, n, list(range(device // CHUNK, 2)))
+    replay.wait_loaded()
     blocks = replay.active[7]["blocks"]
     want = np.concatenate([restored(store, keys[0]), restored(store, keys[1])], axis=3)
-    pool = replay.after_load  # right after start_load_kv, before the forward
+    pool = replay.pool
     np.testing.assert_array_equal(raw_read(pool, blocks, device, n), want[:, :, :, device:512])
     pages = KVPages.from_trtllm(pool, L, H, tokens_per_block, D)
     np.testing.assert_array_equal(pages.read(blocks, device, n).numpy(), want[:, :, :, device:512])
@@ -339,9 +409,24 @@ def test_load_writes_exactly_the_restored_kv_and_nothing_else(store, replays, to
     replay.finish(request)
 
 
+def test_a_load_is_reported_only_after_tensorrt_llm_named_it_started(store, replays):
+    replay = replays(config(store, prefetch=False), store, 32)
+    staged(replay, 900, 2)
+    request = FakeLlmRequest(3, DOC[:900])
+    assert replay.add(request) == 512
+    loads = replay.worker.loads
+    end = time.monotonic() + 10
+    while not loads.get(3).loaded:
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    assert replay.worker.get_finished([], []) == ([], [])  # loaded, but not yet named started
+    assert replay.worker.get_finished([], [3]) == ([], [3])
+    assert replay.worker.get_finished([], []) == ([], [])  # reported once
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 @pytest.mark.parametrize("tokens_per_block", [32, 128])
-def test_a_bad_middle_chunk_shortens_the_match_and_the_load(store, replays, damage, tokens_per_block):
+def test_a_bad_middle_chunk_is_never_promised(store, replays, damage, tokens_per_block):
     keys = ingest(store, "int8-zstd", n_chunks=3)
     if damage == "corrupt":
         data = bytearray(store.get(keys[1]))
@@ -350,44 +435,47 @@ def test_a_bad_middle_chunk_shortens_the_match_and_the_load(store, replays, dama
     else:
         store.delete(keys[1])
     replay = replays(config(store), store, tokens_per_block)
-    request = FakeLlmRequest(1, DOC[:900])
-    assert replay.add(request) == 256
-    (load,) = replay.step().loads
-    assert [c.index for c in load.chunks] == [0] and load.tokens == 256
-    blocks = replay.active[1]["blocks"]
-    np.testing.assert_array_equal(raw_read(replay.after_load, blocks, 0, 256), restored(store, keys[0]))
-    assert (raw_read(replay.after_load, blocks, 256, 900 - 256) == SENTINEL).all()
-    assert replay.scheduler.counters["short_matches"] == (damage == "corrupt")
+    first = FakeLlmRequest(1, DOC[:900])
+    assert replay.add(first) == 0
+    replay.finish(first)
+    wait_prefetch(replay.scheduler)
+    request = FakeLlmRequest(2, DOC[:900])
+    assert replay.add(request) == 256  # the staged run ends before the bad chunk
+    replay.wait_loaded()
+    blocks = replay.active[2]["blocks"]
+    np.testing.assert_array_equal(raw_read(replay.pool, blocks, 0, 256), restored(store, keys[0]))
+    assert (raw_read(replay.pool, blocks, 256, 900 - 256) == SENTINEL).all()
+    assert replay.worker.counters["short_loads"] == 0
+    assert bool(replay.scheduler.prefetcher.corrupt) == (damage == "corrupt")
 
 
-def test_a_chunk_that_fails_at_one_rung_is_read_at_the_next(store, replays):
-    lossy = ingest(store, "int8-zstd", n_chunks=3)
-    ingest(store, "raw", n_chunks=3)
-    data = bytearray(store.get(lossy[1]))
-    data[-7] ^= 1
-    store.put(lossy[1], bytes(data))
-    replay = replays(config(store, ladder=("int8-zstd", "raw")), store, 64)
-    request = FakeLlmRequest(3, DOC[:900])
-    assert replay.add(request) == 768
-    (load,) = replay.step().loads
-    assert [c.rungs[0] for c in load.chunks] == ["int8-zstd"] * 3 and load.chunks[1].rungs == ("int8-zstd", "raw")
-    blocks = replay.active[3]["blocks"]
-    np.testing.assert_array_equal(raw_read(replay.after_load, blocks, 256, 256), DOC_KV[:, :, :, 256:512])  # raw
-    np.testing.assert_array_equal(raw_read(replay.after_load, blocks, 512, 256), restored(store, lossy[2]))
+def test_warm_up_dummies_cache_salt_and_the_count_commitment(store, replays):
+    replay = replays(config(store, prefetch=False), store, 32)
+    staged(replay, 900, 3, salt="tenant-a")
+    scheduler = replay.scheduler
+    assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(1, DOC[:900], is_dummy=True), 0) == (0, False)
+    assert scheduler.counters["dummies"] == 1 and not scheduler._matched
+    assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(2, DOC[:900], cache_salt="tenant-b"), 0) == (0, False)
+    assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(3, DOC[:900]), 0) == (0, False)  # unsalted
+    request = FakeLlmRequest(4, DOC[:900], cache_salt="tenant-a")
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (768, True)
+    scheduler.commit_new_matched_tokens(request, 256)  # 1.3+: the runtime took fewer than offered
+    blocks = list(range(29))
+    scheduler.update_state_after_alloc(request, blocks)
+    end = time.monotonic() + 10
+    while not replay.worker.loads.get(4).loaded:
+        assert time.monotonic() < end
+        time.sleep(0.005)
+    assert replay.worker.loads.get(4).span == (0, 256)
+    assert (raw_read(replay.pool, blocks, 256, 512) == SENTINEL).all()
 
 
-def test_a_worker_without_the_staged_chunks_reads_them_itself(store, replays):
-    """Another rank's worker: nothing staged in its process, the metadata's keys are enough."""
-    keys = ingest(store, "int8-zstd", n_chunks=3)
-    replay = replays(config(store), store, 32)
-    request = FakeLlmRequest(4, DOC[:600])
-    assert replay.add(request) == 512
-    replay.scheduler.stage.pop(4)
-    store.delete(keys[1])  # vanished between the scheduler's read and this worker's
-    replay.step()
-    blocks = replay.active[4]["blocks"]
-    np.testing.assert_array_equal(raw_read(replay.after_load, blocks, 0, 256), restored(store, keys[0]))
-    assert replay.worker.counters["loaded_tokens"] == 256 and replay.worker.counters["short_loads"] == 1
+def test_cuda_graphs_are_refused_with_the_fix_on_releases_before_the_connector_supported_them():
+    args = llm_args(32, cuda_graph_config=SimpleNamespace(max_batch_size=8))
+    with pytest.raises(Unsupported, match="cuda_graph_config: null"):
+        trtllm_compat.check_cuda_graphs(args, (1, 2, 0, 1))
+    trtllm_compat.check_cuda_graphs(args, (1, 2, 0, 1 << 30))  # 1.2.0: supported
+    trtllm_compat.check_cuda_graphs(llm_args(32, cuda_graph_config=None), (1, 1, 0, 1 << 30))
 
 
 # -- the save -------------------------------------------------------------------------------------------------
@@ -402,27 +490,28 @@ def test_save_after_a_miss_stores_the_chunks_the_pool_holds(store, replays, tmp_
         store.put(lossy[1], before[lossy[1]][:-1] + bytes([before[lossy[1]][-1] ^ 1]))
     cfg = config(store, writeback=("int8-zstd", "raw"), tmp=tmp_path)
     replay = replays(cfg, store, 32, context_chunk=context_chunk)
+    assert replay.add(FakeLlmRequest(8, DOC[:900])) == 0
+    wait_prefetch(replay.scheduler)
+    replay.finish_all = None
     request = FakeLlmRequest(9, DOC[:900])
     assert replay.add(request) == 256
+    replay.wait_loaded()
+    start = len(replay.metas)
     while replay.active[9]["position"] < 900:
         replay.step()
     assert replay.worker.queue.flush(timeout_s=30)
-    saved = [s for m in replay.metas for s in m.saves]
-    assert [(s.request_id, [c[0] for c in s.chunks]) for s in saved] == [(9, [1, 2])]
-    assert len(replay.metas) == (1 if context_chunk is None else 3)
-    assert saved[0] in replay.metas[0 if context_chunk is None else 1].saves  # the step the prefill passed 768
+    saved = [s for m in replay.metas[start:] for s in m.saves if s.request_id == 9]
+    assert [[c[0] for c in s.chunks] for s in saved] == [[1, 2]]
+    assert len(replay.metas) - start == (1 if context_chunk is None else 3)
     blocks = replay.active[9]["blocks"]
     raw_keys = chunk_keys(DOC[:900], CARD.model_id, parse_ladder(["raw"], CARD)[0].identity, CHUNK)
-    assert not store.exists(raw_keys[0])  # served from the store: not written again
     for i in (1, 2):
         in_pool = raw_read(replay.pool, blocks, i * CHUNK, CHUNK)
         np.testing.assert_array_equal(restored(store, raw_keys[i]), in_pool)  # raw: exactly the pool's KV
         np.testing.assert_allclose(restored(store, lossy[i]), in_pool, atol=0.1)  # int8: stored again
     assert store.get(lossy[2]) == before[lossy[2]]  # present and sound: left as it was
-    assert replay.worker.counters["saved_chunks"] == 2
+    assert replay.worker.counters["saved_chunks"] == 2 + 3  # request 8 (a miss) saved its three too
     replay.finish(request)
-    again = FakeLlmRequest(10, DOC[:900])
-    assert replay.add(again) == 768  # the next request with this prompt is served the whole prefix
 
 
 # -- registration and configuration -------------------------------------------------------------------------

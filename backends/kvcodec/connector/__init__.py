@@ -3,36 +3,46 @@
 Paged engines (vLLM, TensorRT-LLM) keep KV in blocks and take outside KV through a connector: the
 scheduler asks how many prompt tokens the connector can supply, allocates blocks for them, and a
 worker writes them in. This package does each step once, for every engine; it imports neither
-Triton nor any engine. An engine adapter (a thin module beside the engine) only translates:
+Triton nor any engine. An engine adapter (a thin module beside the engine) only translates call
+shapes:
 
-- lookup (scheduler): ``stored_tokens_for`` (or ``fetcher_tokens``) -> stored prefix;
-  ``matched_tokens(stored, prompt, block_size, computed)`` -> the count the engine is told;
-- load (worker): ``KVPages.from_vllm`` / ``from_trtllm`` views the engine's pool without a copy;
-  ``RequestLoad(pages, block_ids, chunk_tokens, planned)`` writes each restored chunk
-  (``[layers, 2, kv_heads, tokens, head_dim]``) into the request's blocks as it arrives (out of
-  order is fine), and says how many tokens are usable (``loaded_tokens``, ``complete``,
-  ``reason``); the engine computes the rest;
-- save (after a miss or a partial hit): ``chunks_to_save`` names the full chunks to store,
-  ``KVPages.read`` copies them out of the blocks, and ``WriteBack`` runs the encode-and-put off
-  the request's path, dropping (and counting) jobs when it falls behind.
-
-Modules: ``pages`` (the pool views), ``plan`` (token arithmetic), ``load`` (one request's load),
-``writeback`` (the background saver), ``lookup`` (store presence of a prompt's chunks).
+- hand-off (``handoff``): the ``llm`` step posts what a request brings under a key, in the engine's
+  process; the connector's halves find it by the engine's request id or the prompt's hash;
+- load (``session``, ``load``, ``pages``, ``plan``): a ``LoadSession`` per request receives the
+  restored chunks as the ensemble delivers them; the engine learns the count of stored tokens from
+  it at once (``matched_tokens``: block-aligned, one prompt token left), attaches its blocks
+  (``KVPages`` views the pool without a copy) and each chunk is written as it arrives
+  (``RequestLoad``, out of order is fine); the load completes or fails through the engine's own
+  completion hook, and ``failed_block_ids`` names the blocks an engine must recompute;
+- save (``save``, ``writeback``): ``SaveTracker`` says in which step a request's new full chunks
+  (``chunks_to_save``) are complete in its blocks; ``KVPages.read`` copies them out; ``ChunkSaver``
+  encodes, signs and puts them (ingest uses it too), run off the request's path by ``WriteBack``,
+  which drops (and counts) jobs when it falls behind;
+- lookup (``lookup``): the store's answer for a prompt without fetching (``exists`` only).
 """
+from .handoff import HandOff, prompt_key
 from .load import RequestLoad
 from .lookup import fetcher_tokens, prompt_keys, stored_tokens, stored_tokens_for
 from .pages import LAYOUTS, KVPages
 from .plan import chunks_to_save, matched_tokens, stored_prefix
+from .save import ChunkSaver, SaveJob, SaveTracker
+from .session import LoadSession
 from .writeback import WriteBack
 
 __all__ = [
+    "ChunkSaver",
+    "HandOff",
     "KVPages",
     "LAYOUTS",
+    "LoadSession",
     "RequestLoad",
+    "SaveJob",
+    "SaveTracker",
     "WriteBack",
     "chunks_to_save",
     "fetcher_tokens",
     "matched_tokens",
+    "prompt_key",
     "prompt_keys",
     "stored_prefix",
     "stored_tokens",

@@ -82,6 +82,9 @@ class Detokenizer(Protocol):
 class Engine(Protocol):
     card: ModelCard
     max_concurrency: int
+    # True: ``stream`` takes ``load=`` (a ``connector.LoadSession`` whose chunks are still arriving)
+    # and loads them as they come; otherwise the llm step waits for every chunk and passes ``past_kv``
+    streams_loads: bool
 
     def geometry(self, tokens: int) -> Geometry: ...
 
@@ -92,7 +95,7 @@ class Engine(Protocol):
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]: ...
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[dict] = None) -> Iterator[int]: ...
+               report: Optional[dict] = None, load=None) -> Iterator[int]: ...
 
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
 

@@ -22,6 +22,8 @@ reach them. So the connector reads a JSON file named by ``TRTLLM_KVCODEC_CONFIG`
 | threads         | decoder threads (1)                                                         |
 | fetch_timeout_s | a request's store calls end by then; the rest is computed (20)              |
 | max_pending     | write-back jobs that may wait before new ones are dropped (8)               |
+| prefetch        | read a prompt's stored prefix into the stage when nothing is staged (true:  |
+|                 | the stock LLM-API model; the ensemble's llm step stages chunks itself)      |
 | model           | the model card (``engines.ModelCard`` fields; required)                     |
 
 Values are checked as ``kvcodec.settings.Settings`` checks them (the same messages); unknown keys
@@ -53,7 +55,7 @@ CONFIG_ENV = "TRTLLM_KVCODEC_CONFIG"
 CHUNK_KEY_ENV = "TRTLLM_KVCODEC_CHUNK_KEY"
 _SETTINGS_KEYS = ("store", "ladder", "chunk_tokens", "writeback", "key_file", "home", "decoder", "threads",
                   "fetch_timeout_s")
-_KEYS = _SETTINGS_KEYS + ("max_pending", "model")
+_KEYS = _SETTINGS_KEYS + ("max_pending", "prefetch", "model")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class TrtllmConfig:
     threads: int = 1
     fetch_timeout_s: float = 20.0
     max_pending: int = 8
+    prefetch: bool = True
 
     def auth(self, env: Optional[Mapping[str, str]] = None) -> ChunkAuth:
         env = os.environ if env is None else env
@@ -81,7 +84,7 @@ def _card(value: Any) -> ModelCard:
     names = {f.name for f in fields(ModelCard)}
     unknown = sorted(set(value) - names)
     missing = sorted(f.name for f in fields(ModelCard) if f.name not in value and f.name not in
-                     ("codec_profile", "kv_dtype"))
+                     ("codec_profile", "kv_dtype", "rope_theta", "rope_type"))
     if unknown or missing:
         raise ConfigError(f"model: unknown field(s) {unknown}, missing field(s) {missing} "
                           f"(fields: {', '.join(sorted(names))})")
@@ -118,7 +121,10 @@ def from_mapping(data: Mapping[str, Any], where: str = "config") -> TrtllmConfig
     max_pending = data.get("max_pending", 8)
     if not isinstance(max_pending, int) or isinstance(max_pending, bool) or max_pending < 1:
         raise ConfigError(f"{where}: max_pending must be an integer >= 1, got {max_pending!r}")
-    return replace(from_settings(settings, card), max_pending=max_pending)
+    prefetch = data.get("prefetch", True)
+    if not isinstance(prefetch, bool):
+        raise ConfigError(f"{where}: prefetch must be true or false, got {prefetch!r}")
+    return replace(from_settings(settings, card), max_pending=max_pending, prefetch=prefetch)
 
 
 def from_settings(settings: Settings, card: ModelCard) -> TrtllmConfig:

@@ -1,32 +1,36 @@
 """vLLM's KV connector (``KVConnectorBase_V1``) over the engine-neutral core (``kvcodec.connector``).
 
-How restored KV reaches vLLM's paged cache: an in-process hand-off. The ``llm`` step hosts the
-vLLM engine in its own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (scheduler, worker and
-model runner in one process, on the CPU build and on a one-GPU build alike). Before it adds a
-request to the engine it posts an ``Offer`` in ``HANDOFF`` under the request id: the restored KV
-the ensemble gathered (``[layers, 2, kv_heads, tokens, head_dim]``), whether to save the prompt's
-new full chunks (write-back) and where to send them. The connector's two halves read it:
+How restored KV reaches vLLM's paged cache: an in-process hand-off (``connector.HandOff``). The
+``llm`` step hosts the vLLM engine in its own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+(scheduler, worker and model runner in one process, on the CPU build and on a one-GPU build alike).
+Before it adds a request to the engine it posts an ``Offer`` under the request id: the request's
+``LoadSession`` (the restored chunks, arriving while the request waits), whether to save the
+prompt's new full chunks (write-back) and where to send them. The connector's two halves read it:
 
-- scheduler side: ``get_num_new_matched_tokens`` answers from the offer (block-aligned, at least
-  one prompt token left to compute: ``connector.plan.matched_tokens``); ``update_state_after_alloc``
-  records the blocks vLLM allocated; ``build_connector_meta`` lists, for the step, the loads (new
-  requests with matched tokens) and the saves (requests whose prefill completes in this step);
-- worker side: ``register_kv_caches`` sees the pool as ``connector.KVPages`` (the layout checked
-  at run time), ``start_load_kv`` writes each offered chunk into the request's blocks before the
-  forward pass, ``wait_for_save`` reads the finished full chunks back out of the blocks (one copy)
-  and hands them to the offer's sink (the write-back queue, or ingest's capture list).
-
-The loads are synchronous (``get_num_new_matched_tokens`` returns ``False`` for async): the KV is
-already in this process when the request is added, the copy into the blocks is a memcpy.
+- scheduler side: ``get_num_new_matched_tokens`` answers from the session: the tokens it can still
+  deliver (``bound_tokens``: the plan, cut at a chunk known to have failed; block-aligned, one
+  prompt token left: ``connector.plan.matched_tokens``). A session already settled loads
+  synchronously (``(n, False)``); one whose chunks are still coming loads asynchronously
+  (``(n, True)``: vLLM parks the request in WAITING_FOR_REMOTE_KVS with its blocks allocated and
+  goes on stepping the others). ``update_state_after_alloc`` attaches the blocks to the session:
+  the chunks kept so far are written at once, later ones by the thread that delivers them, as they
+  arrive. ``build_connector_meta`` names the step's new loads and its saves (``SaveTracker``: the
+  step whose forward completes a request's last new full chunk);
+- worker side: ``register_kv_caches`` sees the pool as ``connector.KVPages`` (the layout checked at
+  run time) and registers it in the hand-off; ``get_finished`` reports an asynchronous load once its
+  session is loaded; ``get_block_ids_with_load_errors`` then names the promised blocks past what
+  was loaded (a chunk that failed after the promise, a write that failed), and vLLM recomputes them
+  (``kv_load_failure_policy="recompute"``, set by the engine): a failed load never leaves blocks
+  vLLM would take as computed. ``wait_for_save`` reads the finished full chunks out of the blocks
+  (one copy) and hands them to the offer's sink (the write-back queue, or ingest's capture list).
 """
 from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -35,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..connector import KVPages, chunks_to_save, matched_tokens
+from ..connector import HandOff, KVPages, LoadSession, SaveJob, SaveTracker, chunks_to_save, matched_tokens
 
 log = logging.getLogger("kvcodec.vllm")
 
@@ -46,50 +50,15 @@ SaveSink = Callable[[int, int, np.ndarray], None]  # (chunk index, token start, 
 class Offer:
     """What the ``llm`` step offers the connector for one request."""
 
-    past_kv: Optional[np.ndarray] = None  # the restored KV of the prompt's first tokens
+    session: Optional[LoadSession] = None  # the restored chunks of the prompt's first tokens
     chunk_tokens: int = 256
-    save: Optional[SaveSink] = None  # receives the prompt's full chunks not served from ``past_kv``
-    loaded_tokens: int = 0  # filled in by the connector
+    save: Optional[SaveSink] = None  # receives the prompt's full chunks not served from the session
+    promised_tokens: int = 0  # filled in by the connector
+    loaded_tokens: int = 0
+    asynchronous: bool = False
     load_s: float = 0.0
     save_s: float = 0.0
     saved_chunks: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return 0 if self.past_kv is None else int(self.past_kv.shape[3])
-
-
-class HandOff:
-    """Offers by request id (thread-safe; one per process)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._offers: Dict[str, Offer] = {}
-
-    def post(self, request_id: str, offer: Offer) -> None:
-        with self._lock:
-            self._offers[request_id] = offer
-
-    def get(self, request_id: str) -> Optional[Offer]:
-        with self._lock:
-            return self._offers.get(request_id)
-
-    def find(self, engine_request_id: str) -> Tuple[str, Optional[Offer]]:
-        """The offer of a request as the engine names it: vLLM appends ``-<8 random characters>``
-        to the id it was given; returns (the id it was given, its offer)."""
-        with self._lock:
-            if engine_request_id in self._offers:
-                return engine_request_id, self._offers[engine_request_id]
-            given = engine_request_id.rsplit("-", 1)[0]
-            return given, self._offers.get(given)
-
-    def pop(self, request_id: str) -> Optional[Offer]:
-        with self._lock:
-            return self._offers.pop(request_id, None)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._offers)
 
 
 HANDOFF = HandOff()
@@ -97,32 +66,17 @@ HANDOFF = HandOff()
 
 @dataclass
 class _Load:
-    request_id: str
-    block_ids: List[int]
-    start: int  # first token position to write (tokens vLLM already had are not rewritten)
+    request_id: str  # the engine's id
+    given: str  # the id the offer was posted under
+    start: int
     tokens: int
-
-
-@dataclass
-class _Save:
-    request_id: str
-    block_ids: List[int]
-    chunks: List[Tuple[int, int, int]]  # (index, start, end)
+    asynchronous: bool
 
 
 @dataclass
 class KVCodecMetadata(KVConnectorMetadata):
     loads: List[_Load] = field(default_factory=list)
-    saves: List[_Save] = field(default_factory=list)
-
-
-@dataclass
-class _Tracked:
-    """A request with chunks to save once its prefill is done (scheduler side)."""
-
-    prompt_tokens: int
-    chunks: List[Tuple[int, int, int]]
-    block_ids: List[int] = field(default_factory=list)
+    saves: List[SaveJob] = field(default_factory=list)
 
 
 def _layer_index(name: str) -> int:
@@ -138,10 +92,13 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.kv_heads = int(model.get_total_num_kv_heads())
         self.head_dim = int(model.get_head_size())
         self.pages: Optional[KVPages] = None
-        self._loads: Dict[str, _Load] = {}
-        self._tracked: Dict[str, _Tracked] = {}
+        self._matched: Dict[str, _Load] = {}  # answered, blocks not yet attached
+        self._attached: List[_Load] = []  # attached since the last metadata
+        self._saves: SaveTracker = SaveTracker()
         self._given: Dict[str, str] = {}  # engine request id -> the id the offer was posted under
-        self._computed: Dict[str, int] = {}  # tokens vLLM had itself (its prefix cache) at the match
+        # worker side
+        self._loading: Dict[str, _Load] = {}
+        self._load_errors: Set[int] = set()
 
     # -- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
@@ -150,53 +107,59 @@ class KVCodecConnector(KVConnectorBase_V1):
             return 0, False
         self._given[request.request_id] = given
         prompt = len(request.prompt_token_ids or [])
-        if offer.save is not None and request.request_id not in self._tracked:
-            chunks = chunks_to_save(prompt, offer.tokens, offer.chunk_tokens)
-            if chunks:
-                self._tracked[request.request_id] = _Tracked(prompt, chunks)
-        self._computed[request.request_id] = num_computed_tokens
-        return matched_tokens(offer.tokens, prompt, self.block_size, num_computed_tokens), False
+        session = offer.session
+        settled = session is None or session.settled
+        stored = 0 if session is None else (session.usable_tokens if settled else session.bound_tokens)
+        if offer.save is not None:
+            self._saves.track(request.request_id, chunks_to_save(prompt, stored, offer.chunk_tokens))
+        n = matched_tokens(stored, prompt, self.block_size, num_computed_tokens)
+        if n == 0 or num_computed_tokens % self.block_size:
+            return 0, False
+        self._matched[request.request_id] = _Load(request.request_id, given, num_computed_tokens, n, not settled)
+        offer.promised_tokens, offer.asynchronous = n, not settled
+        return n, not settled
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
+        load = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or load is None:
+            return
+        offer = HANDOFF.get(load.given)
+        if offer is None or offer.session is None:
             return
         block_ids = list(blocks.get_block_ids()[0])
-        start = self._computed.pop(request.request_id, 0)
-        given = self._given.get(request.request_id, request.request_id)
-        self._loads[request.request_id] = _Load(given, block_ids, start, num_external_tokens)
+        t = time.perf_counter()
+        offer.session.attach(HANDOFF.pages, block_ids, load.start, num_external_tokens)
+        offer.load_s += time.perf_counter() - t
+        load.tokens = num_external_tokens
+        self._attached.append(load)
 
     def build_connector_meta(self, scheduler_output) -> KVCodecMetadata:
-        meta = KVCodecMetadata()
+        meta = KVCodecMetadata(loads=self._attached)
+        self._attached = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            load = self._loads.pop(new.req_id, None)
-            if load is not None:
-                meta.loads.append(load)
-            tracked = self._tracked.get(new.req_id)
-            if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
-                self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            if new.req_id in self._saves:
+                self._saves.add_blocks(new.req_id, new.block_ids[0], replace=True)
+                self._step_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
+            if req_id not in self._saves:
                 continue
             added = cached.new_block_ids[i] if cached.new_block_ids else None
             if added:
-                tracked.block_ids.extend(added[0])
-            self._maybe_save(meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+                self._saves.add_blocks(req_id, added[0])
+            self._step_save(meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
 
-    def _maybe_save(self, meta: KVCodecMetadata, req_id: str, computed_after_step: int) -> None:
-        tracked = self._tracked[req_id]
-        if computed_after_step >= tracked.chunks[-1][2]:
-            del self._tracked[req_id]
-            meta.saves.append(_Save(self._given.get(req_id, req_id), list(tracked.block_ids), tracked.chunks))
+    def _step_save(self, meta: KVCodecMetadata, req_id: str, computed_after_step: int) -> None:
+        job = self._saves.step(req_id, computed_after_step)
+        if job is not None:
+            job.extra["given"] = self._given.get(req_id, req_id)
+            meta.saves.append(job)
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        self._loads.pop(request.request_id, None)
-        self._tracked.pop(request.request_id, None)
-        self._computed.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        self._saves.forget(request.request_id)
         self._given.pop(request.request_id, None)
         return False, None
 
@@ -211,23 +174,14 @@ class KVCodecConnector(KVConnectorBase_V1):
         layout = "cpu_attn" if current_platform.is_cpu() else "token_kv"
         self.pages = KVPages.from_vllm(layers, self.kv_heads, self.head_dim, block_size=self.block_size,
                                        layout=layout)
+        HANDOFF.pages = self.pages
         log.info("kvcodec connector: %d layers, %d blocks of %d tokens, %s", self.pages.layers,
                  self.pages.num_blocks, self.pages.block_size, self.pages.dtype)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for load in meta.loads:
-            offer = HANDOFF.get(load.request_id)
-            if offer is None or offer.past_kv is None:
-                continue
-            t = time.perf_counter()
-            end = load.start + load.tokens
-            chunk = offer.chunk_tokens
-            for pos in range(load.start, end, chunk):  # chunk by chunk, as the ensemble delivered them
-                stop = min(end, (pos // chunk + 1) * chunk)
-                self.pages.write(load.block_ids, pos, offer.past_kv[:, :, :, pos:stop])
-            offer.loaded_tokens = end
-            offer.load_s += time.perf_counter() - t
+            self._loading[load.request_id] = load  # written by the session as the chunks arrive
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -237,19 +191,44 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        for save in meta.saves:
-            offer = HANDOFF.get(save.request_id)
+        for job in meta.saves:
+            offer = HANDOFF.get(job.extra["given"])
             if offer is None or offer.save is None:
                 continue
-            for index, start, end in save.chunks:
+            for index, start, end in job.chunks:
                 t = time.perf_counter()
-                kv = self.pages.read(save.block_ids, start, end - start).numpy()
+                kv = self.pages.read(job.block_ids, start, end - start).numpy()
                 offer.save_s += time.perf_counter() - t
                 try:
                     offer.save(index, start, kv)
                     offer.saved_chunks += 1
                 except Exception:  # a sink's failure never fails the engine's step
-                    log.exception("kvcodec connector: saving chunk %d of %s failed", index, save.request_id)
+                    log.exception("kvcodec connector: saving chunk %d of %s failed", index, job.request_id)
 
     def get_finished(self, finished_req_ids):
-        return None, None
+        """Loads whose session is loaded: asynchronous ones are reported as received; every one whose
+        blocks fell short of the promise has them named by ``get_block_ids_with_load_errors``."""
+        done: Set[str] = set()
+        for rid, load in list(self._loading.items()):
+            offer = HANDOFF.get(load.given)
+            session = offer.session if offer is not None else None
+            if session is not None and not session.loaded:
+                if load.asynchronous:
+                    continue  # chunks still coming
+                session.wait_loaded()  # settled when promised synchronously: only writes in flight
+            del self._loading[rid]
+            if load.asynchronous:
+                done.add(rid)
+            if session is None:
+                continue
+            offer.loaded_tokens = session.loaded_tokens
+            bad = session.failed_block_ids()
+            if bad:
+                self._load_errors.update(bad)
+                log.warning("request %s: loaded %d of %d promised tokens (%s): %d block(s) to recompute", rid,
+                            session.loaded_tokens - load.start, load.tokens, session.reason, len(bad))
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

@@ -6,10 +6,13 @@ in-process hand-off of ``vllm_connector`` needs) and one thread steps it; ``stre
 from many threads at once, and the requests in flight are batched by vLLM's scheduler, reuse and
 prefill mixed.
 
-- ``stream(ids, max_tokens, past_kv=None, report=None)``: posts the restored KV as an ``Offer``,
-  adds the request, yields its tokens as the engine steps. The connector loads ``past_kv`` into the
-  request's blocks (block-aligned, at least one prompt token computed); ``report`` (a dict), if
-  given, receives ``reused_tokens`` (what the engine took), ``load_s``, ``saved_chunks``.
+- ``stream(ids, max_tokens, past_kv=None, report=None, load=None)``: posts the request's
+  ``LoadSession`` (``load``: chunks still arriving, ``streams_loads``; or ``past_kv``, KV in hand) as
+  an ``Offer``, adds the request, yields its tokens as the engine steps. The connector loads the
+  session into the request's blocks (block-aligned, at least one prompt token computed), chunk by
+  chunk as they arrive while vLLM steps the other requests; ``report`` (a dict), if given, receives
+  ``reused_tokens`` (what the engine took), ``promised_tokens``, ``async_load``, ``load_s``,
+  ``saved_chunks``.
 - Write-back (``Settings.writeback``, default the ladder's first rung; ``off`` turns it off): the
   prompt's new full chunks are read out of the blocks after its prefill (``wait_for_save``) and
   encoded and stored by one background thread (``connector.WriteBack``, bounded: a full queue
@@ -79,6 +82,7 @@ def _device_dtype() -> str:
 
 class VllmEngine(model_files.EngineFiles):
     max_concurrency = 32  # requests in flight; vLLM's scheduler batches them (and queues past its KV space)
+    streams_loads = True  # takes a request at its first chunk and loads the rest as it arrives
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:
@@ -116,7 +120,10 @@ class VllmEngine(model_files.EngineFiles):
             seed=0, enable_prefix_caching=False,  # the store is the prefix cache: every reuse is measured
             disable_log_stats=True, max_logprobs=-1,  # continuation_logprobs asks for the whole vocabulary
             kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
-                                                kv_connector_module_path="kvcodec.engines.vllm_connector"),
+                                                kv_connector_module_path="kvcodec.engines.vllm_connector",
+                                                # a chunk that fails after its tokens were promised:
+                                                # vLLM recomputes its blocks (its default fails the request)
+                                                kv_load_failure_policy="recompute"),
         )
         self._engine = LLMEngine.from_engine_args(args)
         self._inbox: "queue.Queue" = queue.Queue()
@@ -138,7 +145,7 @@ class VllmEngine(model_files.EngineFiles):
         return IncrementalDetokenizer(self.tokenizer.decode)
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[dict] = None) -> Iterator[int]:
+               report: Optional[dict] = None, load=None) -> Iterator[int]:
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
         if past_kv is not None and past_kv.shape[3] >= len(ids):
@@ -146,7 +153,7 @@ class VllmEngine(model_files.EngineFiles):
         save = None
         if self.writeback is not None:
             save = self.writeback.sink(list(ids))
-        yield from self._run(ids, max_tokens, past_kv, save, report)
+        yield from self._run(ids, max_tokens, load if load is not None else past_kv, save, report)
 
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]:
         if chunk_tokens != self.chunk_tokens:
@@ -197,14 +204,16 @@ class VllmEngine(model_files.EngineFiles):
             self.writeback.close()
 
     # -- one request --------------------------------------------------------------------------
-    def _run(self, ids, max_tokens: int, past_kv, save, report: Optional[dict],
+    def _run(self, ids, max_tokens: int, past, save, report: Optional[dict],
              extra: Optional[dict] = None) -> Iterator:
         """The request's tokens as they come; with ``extra`` (more sampling parameters) its one
-        final ``RequestOutput`` instead."""
+        final ``RequestOutput`` instead. ``past``: a ``LoadSession``, KV in hand, or None."""
+        from ..connector import LoadSession
         from .vllm_connector import HANDOFF, Offer
 
         request_id = f"kvc{next(self._ids)}x{uuid.uuid4().hex[:8]}"
-        offer = Offer(past_kv=past_kv, chunk_tokens=self.chunk_tokens, save=save)
+        session = LoadSession.of(past, self.chunk_tokens) if isinstance(past, np.ndarray) else past
+        offer = Offer(session=session, chunk_tokens=self.chunk_tokens, save=save)
         HANDOFF.post(request_id, offer)
         tokens: "queue.Queue" = queue.Queue()
         self._inbox.put(("add", request_id, list(ids), int(max_tokens), tokens, extra))
@@ -218,7 +227,8 @@ class VllmEngine(model_files.EngineFiles):
                     done = True
                     return
                 if report is not None and "reused_tokens" not in report:
-                    report.update(reused_tokens=offer.loaded_tokens, load_s=round(offer.load_s, 6))
+                    report.update(reused_tokens=offer.loaded_tokens, promised_tokens=offer.promised_tokens,
+                                  async_load=offer.asynchronous, load_s=round(offer.load_s, 6))
                 yield item
         finally:
             if not done:
@@ -260,6 +270,8 @@ class VllmEngine(model_files.EngineFiles):
                 continue
             try:
                 outputs = engine.step()
+                if not outputs:  # a prefill step in chunks, or only requests waiting for their chunks:
+                    time.sleep(0.002)  # do not spin a core the fetch and decode steps need
             except Exception as exc:
                 log.exception("vLLM engine step failed")
                 for out, _ in self._streams.values():
@@ -282,39 +294,25 @@ class VllmEngine(model_files.EngineFiles):
 
 class _WriteBack:
     """Save after a miss: the full chunks the engine computed, encoded at the write-back rungs and
-    stored under the prompt's keys, on ``connector.WriteBack``'s background thread."""
+    stored under the prompt's keys (``connector.ChunkSaver``), on ``connector.WriteBack``'s
+    background thread."""
 
     def __init__(self, settings, card: ModelCard) -> None:
-        from ..connector import WriteBack
-        from ..encode import ChunkEncoder
+        from ..connector import ChunkSaver, WriteBack
         from ..format.auth import load_auth
         from ..format.ladder import parse_ladder
         from ..store import open_store
 
-        self.card = card
-        self.chunk_tokens = settings.chunk_tokens
-        schemes = parse_ladder(list(settings.writeback), card)
-        auth = load_auth(settings.key_file)
-        self.encoders = [(s, ChunkEncoder(s, card.model_id, auth=auth, threads=1)) for s in schemes]
         self.store = open_store(settings.store)
-        self.queue = WriteBack(self._store, max_pending=8, name="kv-writeback")
+        self.saver = ChunkSaver(self.store, card.model_id, parse_ladder(list(settings.writeback), card),
+                                settings.chunk_tokens, auth=load_auth(settings.key_file))
+        self.queue = WriteBack(self.saver.save_job, max_pending=8, name="kv-writeback")
 
     def sink(self, ids: List[int]):
         def save(index: int, start: int, kv: np.ndarray) -> None:
-            self.queue.offer((ids[:start + kv.shape[3]], index, start, kv))
+            self.queue.offer((self.saver.keys(ids, index), index, start, kv))
 
         return save
-
-    def _store(self, job) -> None:
-        from ..format.keys import chunk_keys
-
-        ids, index, start, kv = job
-        for scheme, encoder in self.encoders:
-            key = chunk_keys(ids, self.card.model_id, scheme.identity, self.chunk_tokens)[index]
-            if not self.store.exists(key):
-                t = time.perf_counter()
-                self.store.put(key, encoder.encode(kv, key, index, start))
-                log.info("write-back: chunk %d at %s in %.2f s", index, scheme.name, time.perf_counter() - t)
 
     def stats(self) -> dict:
         return self.queue.stats()
@@ -322,5 +320,3 @@ class _WriteBack:
     def close(self) -> None:
         self.queue.close(timeout_s=30)
         self.store.close()
-
-

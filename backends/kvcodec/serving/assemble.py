@@ -1,29 +1,35 @@
-"""Collects a request's restored chunks (they arrive one by one, as separate step calls) and
-says when the request is complete.
+"""Collects a request's restored chunks (they arrive one by one, as separate step calls) into its
+``LoadSession``, and says when the request is complete.
 
-``add(info, kv)`` copies each chunk into its slot of one preallocated array per request (no
-concatenation, and no reference kept to the step's input buffers), in float16, or in float32 once a
-float32 chunk (``raw`` on a float32 engine) is among them: the adaptive fetcher may mix rungs, and
-float16 widens to float32 exactly, so every chunk stays what it restored to. It returns ``None`` until
-all ``count`` chunks of ``info.session`` are in, then an ``Assembled``: the KV of the longest run
-of good chunks from the start (a view of that array; ``None`` if there is none) and the
-per-request statistics. Sessions that never complete are dropped after ``ttl_s``.
+``arrive(info, kv) -> Arrival`` files each chunk with its request (``info.session``): the first
+chunk's arrival makes the request's ``Chunks`` (a ``connector.LoadSession`` of ``info.count``
+chunks, and the chunk infos for the statistics), so an engine that loads chunks as they arrive
+(``streams_loads``) can take the request at once; every chunk is put into the session (a copy: no
+reference is kept to the step's input buffers), or failed there when its info is not ``ok`` or its
+KV does not have the request's shape. ``Arrival.first`` marks the first chunk, ``Arrival.complete``
+the last one (every chunk's info is in); ``Chunks.assembled()`` is then an ``Assembled``: the KV of
+the longest run of good chunks from the start (float16, or float32 once a float32 chunk, ``raw`` on
+a float32 engine, is among them: float16 widens exactly) and the per-request statistics.
+``add(info, kv)`` is the one-call form: ``None`` until the request is complete, then its
+``Assembled``. Requests that never complete are dropped after ``ttl_s``.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import numpy as np
 
+from ..connector import LoadSession
 from .chunkinfo import ChunkInfo
 from .stats import RequestStats
 
 
 @dataclass
 class Assembled:
-    past_kv: Optional[np.ndarray]  # float16|float32 [layers, 2, kv_heads, reused_tokens, head_dim] (a view), or None
+    past_kv: Optional[np.ndarray]  # float16|float32 [layers, 2, kv_heads, reused_tokens, head_dim], or None
     infos: List[ChunkInfo]
     reused_tokens: int
     reason: str = ""  # why reuse stopped short (empty when every planned chunk was used)
@@ -33,51 +39,106 @@ class Assembled:
 
 
 @dataclass
-class _Pending:
-    started: float
+class Chunks:
+    """One request's chunks as they come: the load session and the infos."""
+
+    session: LoadSession
+    count: int
+    started: float = 0.0
     infos: Dict[int, ChunkInfo] = field(default_factory=dict)
-    kv: Optional[np.ndarray] = None  # the request's KV, one slot per chunk, allocated at its first good chunk
+    shape: Optional[tuple] = None  # the first good chunk's shape: the others must match
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def complete(self) -> bool:
+        with self._cond:
+            return len(self.infos) >= self.count
+
+    def wait_complete(self, timeout_s: Optional[float] = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self.infos) >= self.count, timeout_s)
+
+    def assembled(self, with_kv: bool = True) -> Assembled:
+        """The request as it stands (complete or not): the good run and the infos so far."""
+        with self._cond:
+            ordered = [self.infos[i] for i in sorted(self.infos)]
+        reused, reason = 0, ""
+        for expected, info in enumerate(ordered):
+            if info.index != expected:
+                reason = f"chunk {expected}: missing"
+                break
+            if not info.ok:
+                reason = f"chunk {info.index}: {info.status}: {info.reason}"
+                break
+            reused += info.tokens
+        if not reason and len(ordered) < self.count:
+            reason = f"chunk {len(ordered)}: missing"
+        reused = min(reused, self.session.usable_tokens)
+        past = self.session.past_kv() if with_kv and reused else None
+        return Assembled(None if past is None else past[:, :, :, :reused], ordered, reused, reason)
+
+
+@dataclass
+class Arrival:
+    chunks: Optional[Chunks]  # None for a request with nothing to reuse (``count == 0``)
+    first: bool
+    complete: bool
+    assembled: Optional[Assembled] = None  # set when there is nothing to wait for (``count == 0``)
 
 
 class Assembler:
     def __init__(self, ttl_s: float = 600.0) -> None:
         self.ttl_s = ttl_s
-        self._pending: Dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._pending: Dict[str, Chunks] = {}
+
+    def arrive(self, info: ChunkInfo, kv: np.ndarray) -> Arrival:
+        if info.count == 0:
+            return Arrival(None, True, True, Assembled(None, [info], 0, info.reason))
+        with self._lock:
+            self._expire()
+            request = self._pending.get(info.session)
+            first = request is None
+            if first:
+                request = self._pending[info.session] = Chunks(LoadSession(max(1, info.tokens), info.count),
+                                                               info.count, time.monotonic())
+        self._file(request, info, kv)
+        with request._cond:
+            request.infos[info.index] = info
+            complete = len(request.infos) >= request.count
+            request._cond.notify_all()
+        if complete:
+            with self._lock:
+                self._pending.pop(info.session, None)
+        return Arrival(request, first, complete)
 
     def add(self, info: ChunkInfo, kv: np.ndarray) -> Optional[Assembled]:
-        """Copy ``kv`` (which may be a view of a step's input buffer) into its slot of the request."""
-        self._expire()
-        if info.count == 0:
-            return Assembled(None, [info], 0, info.reason)
-        pending = self._pending.setdefault(info.session, _Pending(time.monotonic()))
-        pending.infos[info.index] = info
+        arrival = self.arrive(info, kv)
+        if arrival.assembled is not None:
+            return arrival.assembled
+        return arrival.chunks.assembled() if arrival.complete else None
+
+    @staticmethod
+    def _file(request: Chunks, info: ChunkInfo, kv: np.ndarray) -> None:
+        session = request.session
+        if not 0 <= info.index < request.count:
+            info.fail("error", f"chunk {info.index} outside the request's {request.count}")
+            return
         if info.ok:
-            if kv.ndim != 5 or kv.shape[3] != info.tokens:
+            if kv.ndim != 5 or kv.shape[3] != info.tokens or info.tokens != session.chunk_tokens:
                 info.fail("error", f"restored KV has shape {list(kv.shape)}, expected {info.tokens} tokens")
+            elif kv.dtype not in (np.float16, np.float32):
+                info.fail("error", f"restored KV is {kv.dtype}, not float16 or float32")
+            elif request.shape is not None and request.shape != kv.shape:
+                info.fail("error", f"restored KV has shape {list(kv.shape)}, other chunks {list(request.shape)}")
+        try:
+            if info.ok:
+                request.shape = request.shape or kv.shape
+                session.put(info.index, kv)
             else:
-                if pending.kv is None:
-                    layers, two, heads, _, dim = kv.shape
-                    pending.kv = np.empty((layers, two, heads, info.count * info.tokens, dim), dtype=kv.dtype)
-                start = info.index * info.tokens
-                if pending.kv.shape[:3] + pending.kv.shape[4:] != kv.shape[:3] + kv.shape[4:]:
-                    info.fail("error", f"restored KV has shape {list(kv.shape)}, other chunks "
-                                       f"{list(pending.kv.shape)}")
-                else:
-                    if kv.dtype.itemsize > pending.kv.dtype.itemsize:  # a float32 chunk among float16 ones:
-                        pending.kv = pending.kv.astype(kv.dtype)  # widen the request (exact), once
-                    pending.kv[:, :, :, start:start + info.tokens] = kv  # float16 into float32: exact
-        if len(pending.infos) < info.count:
-            return None
-        del self._pending[info.session]
-        ordered = [pending.infos[i] for i in sorted(pending.infos)]
-        reused, reason = 0, ""
-        for chunk_info in ordered:
-            if not chunk_info.ok:
-                reason = f"chunk {chunk_info.index}: {chunk_info.status}: {chunk_info.reason}"
-                break
-            reused += chunk_info.tokens
-        past = pending.kv[:, :, :, :reused] if reused and pending.kv is not None else None
-        return Assembled(past, ordered, reused, reason)
+                session.fail(info.index, f"{info.status}: {info.reason}")
+        except ValueError as exc:  # the same chunk twice
+            info.fail("error", str(exc))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -85,4 +146,5 @@ class Assembler:
             del self._pending[session]
 
     def __len__(self) -> int:
-        return len(self._pending)
+        with self._lock:
+            return len(self._pending)

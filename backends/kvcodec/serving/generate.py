@@ -1,9 +1,12 @@
 """Step ``llm``, its work: generate from restored KV plus the rest of the prompt.
 
-``generate(engine, ids, max_tokens, assembled)`` yields ``Event``s, one per new token: its id,
+``generate(engine, ids, max_tokens, source)`` yields ``Event``s, one per new token: its id,
 the text it adds (incremental detokenization: each token decodes a short window, not the whole
-answer), and on the first and the last event the request's ``RequestStats``. The restored KV is
-checked against the model before use; if it cannot be used the whole prompt is computed: the
+answer), and on the first and the last event the request's ``RequestStats``. ``source`` is the
+request's ``Assembled`` KV, or its ``Chunks`` still arriving: an engine that ``streams_loads``
+takes the request at once with the chunks' ``LoadSession`` (loaded into its blocks as they come;
+what it took is what it reports), any other engine waits for the request to complete. The restored
+KV is checked against the model before use; if it cannot be used the whole prompt is computed: the
 answer is always the model's own. It is float16 or float32 (``raw`` on a float32 engine: its own
 KV, exactly); the engine converts it to its own dtype.
 """
@@ -12,12 +15,12 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from ..errors import BadRequest
-from .assemble import Assembled
+from .assemble import Assembled, Chunks
 from .stats import RequestStats
 
 
@@ -29,10 +32,23 @@ class Event:
     stats: Optional[RequestStats] = None  # on the first and the last event
 
 
-def generate(engine, ids: Sequence[int], max_tokens: int, assembled: Assembled) -> Iterator[Event]:
-    stats = assembled.stats()
+STATS_WAIT_S = 5.0  # at the first token, how long to wait for the infos of chunks still coming
+
+
+def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assembled, Chunks]) -> Iterator[Event]:
+    load = None
+    if isinstance(source, Chunks):
+        if getattr(engine, "streams_loads", False):
+            load = source
+        else:
+            source.wait_complete()
+            source = source.assembled()
+    if load is not None:
+        stats, past = load.assembled(with_kv=False).stats(), None  # refreshed at the first token
+    else:
+        stats = source.stats()
+        past = source.past_kv
     stats.prompt_tokens = len(ids)
-    past = assembled.past_kv
     why = _unusable(engine, past, len(ids))
     if why:
         past, stats.reused_tokens, stats.miss_reason = None, 0, why
@@ -42,12 +58,17 @@ def generate(engine, ids: Sequence[int], max_tokens: int, assembled: Assembled) 
     n = 0
     pending: Optional[Event] = None
     report: dict = {}
-    for token in engine.stream(ids, max_tokens, past, report=report):
+    tokens = engine.stream(ids, max_tokens, None, report=report, load=load.session) if load is not None else \
+        engine.stream(ids, max_tokens, past, report=report)
+    for token in tokens:
         if pending is not None:
             yield pending
         n += 1
         delta = detok.push(token)
         if n == 1:
+            if load is not None:  # the chunks' infos, now that the engine has taken what it could
+                load.wait_complete(STATS_WAIT_S)
+                stats = _refreshed(stats, load.assembled(with_kv=False).stats(), why)
             _took(stats, report, len(ids))
             stats.compute_first_token_s = round(time.perf_counter() - t0, 6)
             if stats.pipeline.bound_s:
@@ -70,6 +91,15 @@ def generate(engine, ids: Sequence[int], max_tokens: int, assembled: Assembled) 
     pending.final = True
     pending.stats = stats
     yield pending
+
+
+def _refreshed(before: RequestStats, after: RequestStats, why: str) -> RequestStats:
+    """The chunk statistics of ``after`` with what ``generate`` set on ``before`` (``why``: its own
+    reason not to reuse, if any)."""
+    after.prompt_tokens = before.prompt_tokens
+    after.miss_reason = why or after.miss_reason
+    after.computed_tokens = before.prompt_tokens - after.reused_tokens
+    return after
 
 
 def _took(stats: RequestStats, report: dict, n_ids: int) -> None:

@@ -1,10 +1,12 @@
-"""llm: gather a request's restored chunks, then generate; one response per new token.
+"""llm: hand a request's restored chunks to the engine, generate; one response per new token.
 
-The engine comes from the registry (``engine`` setting, ``KVCODEC_ENGINE``). ``execute`` only
-gathers chunks (``Assembler``, on Triton's thread); a request whose chunks are all in is answered
-on a worker thread, up to ``engine.max_concurrency`` at once (1 for the transformers engine; many
-for vLLM, which batches them). Every request's stream ends with a FINAL response, also when
-generation fails half-way.
+The engine comes from the registry (``engine`` setting, ``KVCODEC_ENGINE``). ``execute`` only files
+chunks (``Assembler``, on Triton's thread). An engine that loads chunks as they arrive
+(``streams_loads``: vLLM) gets the request at its first chunk, answered on a worker thread through
+that chunk's response sender while the later chunks flow into its load session; any other engine
+gets the request once its chunks are all in. Up to ``engine.max_concurrency`` requests are answered
+at once (1 for the transformers engine; many for vLLM, which batches them). Every request's stream
+ends with a FINAL response, also when generation fails half-way.
 
 One instance only (``instance_count`` > 1 fails the load): the chunks of a request arrive as
 separate calls, and Triton gives each call to any instance, so they meet in one instance's
@@ -56,6 +58,7 @@ class TritonPythonModel:
         self.engine = open_engine(self.settings)
         self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)
         self.assembler = Assembler()
+        self.streams = bool(getattr(self.engine, "streams_loads", False))
         self.metrics = _Metrics()
         self.pb_lock = threading.Lock()  # one thread at a time in pb_utils (see the module's docstring)
         self.workers = ThreadPoolExecutor(max_workers=max(1, int(getattr(self.engine, "max_concurrency", 1))),
@@ -68,8 +71,14 @@ class TritonPythonModel:
                 info = ChunkInfo.from_json(get_text(request, "chunk_info"))
                 kv32 = get_array(request, "kv32", np.float32)  # float32 (raw, a float32 engine's own) or empty
                 kv = kv32 if kv32.size else get_array(request, "kv", np.float16)
-                assembled = self.assembler.add(info, kv)  # copied into its slot
-                if assembled is None:  # more chunks of this request to come
+                arrival = self.assembler.arrive(info, kv)  # copied into the request's load session
+                if arrival.assembled is not None:  # nothing to reuse
+                    source = arrival.assembled
+                elif self.streams and arrival.first:  # the engine takes the request now
+                    source = arrival.chunks
+                elif not self.streams and arrival.complete:
+                    source = arrival.chunks.assembled()
+                else:  # a chunk of a request already answered, or still gathering
                     self._send(sender, None, FINAL)
                     continue
                 ids = get_array(request, "input_ids", np.int32, ndim=1).tolist()
@@ -77,15 +86,15 @@ class TritonPythonModel:
             except Exception as exc:
                 self._send(sender, error_response(exc), FINAL)
                 continue
-            self.workers.submit(self._answer, sender, ids, max_tokens, assembled)
+            self.workers.submit(self._answer, sender, ids, max_tokens, source)
         return None
 
-    def _answer(self, sender, ids, max_tokens, assembled):
+    def _answer(self, sender, ids, max_tokens, source):
         """Generate and stream one request's tokens (a worker thread); always ends with FINAL."""
         final_sent = False
-        events = generate(self.engine, ids, max_tokens, assembled)
+        events = generate(self.engine, ids, max_tokens, source)
         try:
-            reused = tensor("reused_tokens", np.array([assembled.reused_tokens], np.int32))
+            reused = tensor("reused_tokens", np.array([getattr(source, "reused_tokens", 0)], np.int32))
             for event in events:
                 if event.final:
                     with self.pb_lock:
