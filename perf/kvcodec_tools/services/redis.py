@@ -1,16 +1,18 @@
 """redis-server as a chunk store: ``RedisServer`` (one node) and ``RedisCluster`` (N masters, no
 replicas). Password required, no persistence; config, logs and the cluster's node files live in a
 folder under ``root``. The password is handed to ``redis-cli`` through ``REDISCLI_AUTH``, never on a
-command line.
+command line. ``tls=(cert, key, ca)`` (PEM files) makes a server that speaks only TLS on its port
+(``.url`` is ``rediss://``; clients are not asked for certificates).
 """
 from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 from urllib.parse import quote
 
 from kvcodec_tools.procs import Process, ServiceError, Wrap, tail
@@ -32,6 +34,15 @@ loglevel notice
 databases 16
 """
 
+TLS = """\
+port 0
+tls-port {port}
+tls-cert-file {cert}
+tls-key-file {key}
+tls-ca-cert-file {ca}
+tls-auth-clients no
+"""
+
 CLUSTER = """\
 cluster-enabled yes
 cluster-config-file {dir}/nodes.conf
@@ -47,7 +58,8 @@ def _check_password(password: str) -> None:
         raise ServiceError("redis password must be 1-512 characters, without quotes, backslashes or spaces")
 
 
-def _command(host: str, port: int, password: str, *args: str, timeout_s: float = 2.0) -> bytes:
+def _command(host: str, port: int, password: str, *args: str, timeout_s: float = 2.0,
+             tls: Optional[ssl.SSLContext] = None) -> bytes:
     """One RESP command on a fresh connection (AUTH first); the raw reply. Used for readiness only."""
     def resp(*parts: str) -> bytes:
         out = [f"*{len(parts)}\r\n".encode()]
@@ -56,7 +68,8 @@ def _command(host: str, port: int, password: str, *args: str, timeout_s: float =
             out.append(b"$%d\r\n%s\r\n" % (len(b), b))
         return b"".join(out)
 
-    with socket.create_connection((host, port), timeout=timeout_s) as s:
+    with socket.create_connection((host, port), timeout=timeout_s) as plain:
+        s = tls.wrap_socket(plain, server_hostname=host) if tls else plain
         s.sendall(resp("AUTH", password) + resp(*args))
         data = b""
         deadline = time.monotonic() + timeout_s
@@ -77,17 +90,19 @@ def _command(host: str, port: int, password: str, *args: str, timeout_s: float =
         return data
 
 
-def _ping(host: str, port: int, password: str) -> bool:
+def _ping(host: str, port: int, password: str, tls: Optional[ssl.SSLContext] = None) -> bool:
     try:
-        return _command(host, port, password, "PING") == b"+PONG\r\n"
+        return _command(host, port, password, "PING", tls=tls) == b"+PONG\r\n"
     except OSError:
         return False
 
 
 class _Node:
     def __init__(self, folder: Path, host: str, port: int, password: str, wrap: Wrap,
-                 cluster_bus_port: Optional[int] = None) -> None:
+                 cluster_bus_port: Optional[int] = None, tls: Optional[Tuple[Path, Path, Path]] = None) -> None:
         self.folder, self.host, self.port, self.password = folder, host, int(port), password
+        self.tls = tls
+        self._tls_context = ssl.create_default_context(cafile=str(tls[2])) if tls else None
         self.wrap, self.cluster_bus_port = wrap, cluster_bus_port
         self.process: Optional[Process] = None
 
@@ -96,6 +111,9 @@ class _Node:
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "nodes.conf").unlink(missing_ok=True)
         conf_text = CONF.format(host=self.host, port=self.port, password=self.password, dir=self.folder)
+        if self.tls:
+            cert, key, ca = self.tls
+            conf_text += TLS.format(port=self.port, cert=cert, key=key, ca=ca)
         if self.cluster_bus_port is not None:
             conf_text += CLUSTER.format(dir=self.folder, bus_port=self.cluster_bus_port, password=self.password)
         conf = self.folder / "redis.conf"
@@ -107,7 +125,7 @@ class _Node:
     def wait_ready(self, timeout_s: float) -> None:
         # PING answered with our password: our server, not someone else's on the same port.
         def ready() -> bool:
-            return can_connect(self.host, self.port) and _ping(self.host, self.port, self.password)
+            return can_connect(self.host, self.port) and _ping(self.host, self.port, self.password, self._tls_context)
 
         self.process.wait_ready(ready, timeout_s, [self.folder / "stdout.log", self.folder / "redis.log"])
 
@@ -119,11 +137,13 @@ class _Node:
 class RedisServer:
     """One redis-server: ``.url`` is ``redis://:PASSWORD@HOST:PORT/0``."""
 
-    def __init__(self, root: Path, host: str, port: int, password: str, wrap: Wrap = None) -> None:
+    def __init__(self, root: Path, host: str, port: int, password: str, wrap: Wrap = None,
+                 tls: Optional[Tuple[Path, Path, Path]] = None) -> None:
         _check_password(password)
         self.root, self.host, self.port, self.password = Path(root).resolve(), host, int(port), password
-        self._node = _Node(self.root / f"redis-{self.port}", host, self.port, password, wrap)
-        self.url = f"redis://:{quote(password, safe='')}@{host}:{self.port}/0"
+        tls = tuple(Path(p).resolve() for p in tls) if tls else None
+        self._node = _Node(self.root / f"redis-{self.port}", host, self.port, password, wrap, tls=tls)
+        self.url = f"{'rediss' if tls else 'redis'}://:{quote(password, safe='')}@{host}:{self.port}/0"
 
     @property
     def pid(self) -> Optional[int]:
