@@ -15,14 +15,13 @@ both (``perf/results/README.md``, "Encode speed").
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
-from .encode import ChunkEncoder
+from .connector.save import ChunkSaver
 from .format.auth import ChunkAuth
 from .format.codecs import Scheme
 from .format.keys import chunk_keys
@@ -70,30 +69,6 @@ def default_workers() -> int:
     return max(1, min(2, cores))
 
 
-class _Encoders:
-    """One ``ChunkEncoder`` per scheme for each worker thread (an encoder holds a decoder and
-    records its last decode time: not shared between threads)."""
-
-    def __init__(self, schemes: Sequence[Scheme], model_id: str, auth: ChunkAuth, threads: int) -> None:
-        self._args = (list(schemes), model_id, auth, threads)
-        self._local = threading.local()
-
-    def get(self, identity: str) -> ChunkEncoder:
-        encoders = getattr(self._local, "encoders", None)
-        if encoders is None:
-            schemes, model_id, auth, threads = self._args
-            encoders = {s.identity: ChunkEncoder(s, model_id, auth=auth, threads=threads) for s in schemes}
-            self._local.encoders = encoders
-        return encoders[identity]
-
-    def encode(self, scheme: Scheme, kv, key: str, i: int, token_start: int) -> Tuple[bytes, float, float]:
-        """The chunk's bytes, the seconds encoding took and the seconds its check decode took."""
-        enc = self.get(scheme.identity)
-        t = time.perf_counter()
-        data = enc.encode(kv, key, i, token_start)
-        return data, time.perf_counter() - t, enc.last_decode_s
-
-
 def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Scheme, Sequence[Scheme]],
            chunk_tokens: int, *, auth: ChunkAuth, threads: int = 1, workers: int = 1,
            progress: Optional[Callable[[int], None]] = None, costs: Optional[CostModel] = None) -> IngestReport:
@@ -110,7 +85,7 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
             progress(n_chunks)
         return report
     workers = max(1, int(workers))
-    encoders = _Encoders(schemes, engine.model_id, auth, threads)
+    encoders = ChunkSaver(store, engine.model_id, schemes, chunk_tokens, auth=auth, threads=threads)  # per thread
     # (chunk's fp16 bytes, [(scheme, key, result)]) per chunk, oldest first: stored in this order
     pending: Deque[Tuple[int, List[Tuple[Scheme, str, Future]]]] = deque()
 

@@ -189,16 +189,16 @@ def test_chunk_workers_skip_what_is_stored_and_resume():
 
 
 def test_an_encode_error_in_a_worker_reaches_the_caller(monkeypatch):
-    from kvcodec import ingest as ingest_mod
+    from kvcodec.encode import ChunkEncoder
 
-    real = ingest_mod.ChunkEncoder.encode
+    real = ChunkEncoder.encode
 
     def encode(self, kv, key, i, token_start):
         if i == 2:
             raise RuntimeError("encoder broke on chunk 2")
         return real(self, kv, key, i, token_start)
 
-    monkeypatch.setattr(ingest_mod.ChunkEncoder, "encode", encode)
+    monkeypatch.setattr(ChunkEncoder, "encode", encode)
     store = RecordingStore()
     with pytest.raises(RuntimeError, match="chunk 2"):
         _ingest(2, store=store)
