@@ -4,6 +4,16 @@ The optional ``codecs`` input (a comma list of rung specs, e.g. ``raw`` or ``vid
 this request to those rungs, chosen statically; without it the server's ladder is used, chosen
 per chunk by the adaptive fetcher when the ``adaptive`` setting is on. The model is never loaded
 here: its card (identity, vocabulary, context, codec profile, KV dtype) is all this step needs.
+
+The store's health is this step's to report (it owns the store's calls, ``kvcodec.serving.calls``):
+Prometheus gauges per instance, set after each request (the breaker moves only with requests:
+requests trigger its probes), on the server's metrics endpoint:
+
+- ``kvcodec_store_breaker_state{store,instance}``: 0 closed, 1 half-open, 2 open;
+- ``kvcodec_store_calls{store,instance,state}``: store calls ``running``, ``queued`` and
+  ``abandoned`` (running, their request no longer waiting: they end by their own deadline);
+- ``kvcodec_store_breaker_opens_total{store,instance}``: times the breaker opened.
+Each request also carries the snapshot in its stats (``RequestStats.store``).
 """
 import logging
 import uuid
@@ -12,6 +22,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kvcodec.engines import model_card
+from kvcodec.serving.breaker import STATES
 from kvcodec.serving.costs import for_settings
 from kvcodec.serving.fetch import Fetcher
 from kvcodec.serving.request import Request
@@ -41,6 +52,8 @@ class TritonPythonModel:
         self.fetcher = Fetcher(self.store, self.card.model_id, self.settings.ladder, self.settings.chunk_tokens,
                                costs=costs, adaptive=self.settings.adaptive, deadline_s=self.settings.deadline_s,
                                card=self.card, timeout_s=self.settings.fetch_timeout_s)
+        self.metrics = _StoreMetrics(self.store.url, args.get("model_instance_name", "kv_fetch"))
+        self.metrics.record(self.fetcher.calls.snapshot())
 
     def _parse(self, request) -> Request:
         ids = get_array(request, "input_ids", np.int32, ndim=1)
@@ -69,8 +82,38 @@ class TritonPythonModel:
                 sender.send(error_response(exc), flags=FINAL)
             else:
                 sender.send(flags=FINAL)
+            self.metrics.record(self.fetcher.calls.snapshot())
         return None
 
     def finalize(self):
         self.fetcher.close()
         self.store.close()
+
+
+class _StoreMetrics:
+    """The gauges of the module's docstring (set from this step's one thread: ``execute``)."""
+
+    def __init__(self, store: str, instance: str):
+        labels = {"store": store, "instance": instance}
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        # The families are kept: a metric outlives its family's Python object only at a cost (Triton
+        # refuses to set a metric whose family was deleted).
+        self.families = [
+            pb_utils.MetricFamily("kvcodec_store_breaker_state",
+                                  "The store's circuit breaker: 0 closed, 1 half-open, 2 open", gauge),
+            pb_utils.MetricFamily("kvcodec_store_calls", "Store calls of kv_fetch's fixed pool, by state", gauge),
+            pb_utils.MetricFamily("kvcodec_store_breaker_opens_total", "Times the store's breaker opened", counter),
+        ]
+        state, calls, opens = self.families
+        self.state = state.Metric(labels=labels)
+        self.calls = {k: calls.Metric(labels=dict(labels, state=k)) for k in ("running", "queued", "abandoned")}
+        self.opens = opens.Metric(labels=labels)
+        self._opened = 0
+
+    def record(self, snapshot: dict):
+        self.state.set(STATES[snapshot["breaker"]])
+        for name, metric in self.calls.items():
+            metric.set(snapshot[name])
+        if snapshot["opened"] > self._opened:
+            self.opens.increment(snapshot["opened"] - self._opened)
+            self._opened = snapshot["opened"]

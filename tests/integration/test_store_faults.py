@@ -1,0 +1,140 @@
+"""A sick store costs at most one prefill, and reuse comes back (issue 24), through a real
+tritonserver whose store is a real nginx reached through a proxy that misbehaves on purpose
+(``fault_proxy.FaultProxy``): it resets every connection, trickles one byte every 50 ms, accepts and
+never answers, stalls after the first 200 kB, or relays the refusal of an nginx that was killed.
+
+The server runs as a user runs it (adaptive fetcher, a fetch_timeout_s of 20 s); one server serves
+every fault. For each fault the request gives the model's own tokens (prefill's), its TTFT is at
+most prefill's + max(2 s, the predicted prefill of the stored prefix) (prefill's TTFT measured in
+this run), and once the store is healed the stored chunks are reused again within two requests;
+the hung calls were released (none running, none abandoned) and the breaker is closed again, as the
+server's metrics say.
+
+Margin for a noisy 2-core machine: the TTFT bound is widened by a quarter of prefill's TTFT plus
+1 s (``MARGIN``): the requests run on two cores shared with the store, the proxy and this test.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from kvcodec.serving.costs import CostModel
+from kvcodec_client import KVCodecClient
+from kvcodec_tools.ports import free_ports
+from kvcodec_tools.services.nginx import NginxStore
+
+from .conftest import cli, text_of
+from .fault_proxy import FaultProxy
+from .test_faults import QUESTION, metric_values, own_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+TOKENS = 4
+STORED = 768  # 3 chunks of 256 of the 800-token context
+FAULTS = ["reset", "trickle", "blackhole", "stall", "refused"]
+
+
+def MARGIN(prefill_ttft_s: float) -> float:
+    return 0.25 * prefill_ttft_s + 1.0
+
+
+@pytest.fixture(scope="module")
+def sick(settings, tokenizer, tmp_path_factory):
+    """nginx with a context ingested, the proxy in front of it, a tritonserver reading through the
+    proxy; and prefill's answer, measured here."""
+    home = tmp_path_factory.mktemp("store-faults")
+    nginx = NginxStore(home / "nginx", "127.0.0.1", free_ports(1)[0], "store-faults-token").start()
+    proxy = FaultProxy(("127.0.0.1", nginx.port), trickle_s=0.05, stall_after=200_000)
+    try:
+        local = replace(settings, home=home, store=f"file://{nginx.data}", key_file=home / "chunk.key",
+                        ladder=("int8-zstd",), adaptive=True, fetch_timeout_s=20.0)
+        text = text_of(tokenizer, "calendar.py", 800)
+        (home / "context.txt").write_text(text)
+        cli(local, "ingest", "--text-file", str(home / "context.txt"), "--codec", "int8-zstd", "--json", "--quiet")
+        served = replace(local, store=f"http://127.0.0.1:{proxy.port}/kv?timeout_s=30")
+        with own_server(served, "store-faults") as (server, metrics):
+            client = KVCodecClient(server.grpc_url, "grpc", timeout_s=120)
+            ids = tokenizer.encode(text + QUESTION)
+            client.generate(ids, TOKENS, reuse=False)  # warm-up
+            prefill = client.generate(ids, TOKENS, reuse=False)
+            yield {"nginx": nginx, "proxy": proxy, "client": client, "ids": ids, "prefill": prefill,
+                   "metrics": metrics, "costs": home / "costs.json", "seen": {}}
+    finally:
+        proxy.close()
+        nginx.stop()
+
+
+def store_gauges(metrics: str) -> dict:
+    values = metric_values(metrics, "kvcodec_store_")
+    out = {}
+    for name, value in values.items():
+        family = name.split("{")[0]
+        state = name.split('state="')[1].split('"')[0] if 'state="' in name else ""
+        out[f"{family}:{state}" if state else family] = value
+    return out
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_sick_store_costs_at_most_one_prefill_and_reuse_comes_back(sick, fault):
+    nginx, proxy, client, ids, prefill = sick["nginx"], sick["proxy"], sick["client"], sick["ids"], sick["prefill"]
+    healthy = client.generate(ids, TOKENS, reuse=True)
+    assert healthy.reused_tokens == STORED and healthy.tokens == prefill.tokens  # the store works before
+
+    if fault == "refused":
+        nginx.stop()  # the proxy accepts; the store behind it refuses
+    else:
+        proxy.set_mode(fault)
+    predicted_s = CostModel(sick["costs"]).prefill_s_per_token * STORED
+    sick_answer = client.generate(ids, TOKENS, reuse=True)
+    gauges = store_gauges(sick["metrics"])
+
+    if fault == "refused":
+        nginx.start()
+    proxy.set_mode("ok")
+    after = [client.generate(ids, TOKENS, reuse=True)]
+    if after[0].reused_tokens != STORED:
+        after.append(client.generate(ids, TOKENS, reuse=True))
+    healed = store_gauges(sick["metrics"])
+
+    bound = prefill.ttft_s + max(2.0, predicted_s)
+    sick["seen"][fault] = {"ttft_s": round(sick_answer.ttft_s, 2), "prefill_ttft_s": round(prefill.ttft_s, 2),
+                           "bound_s": round(bound, 2), "reused": sick_answer.reused_tokens,
+                           "why": sick_answer.stats.get("miss_reason", "")[:120],
+                           "healed_after_requests": len(after), "healed_ttft_s": round(after[-1].ttft_s, 2)}
+    print(f"store fault {fault}: {sick['seen'][fault]}")
+    assert sick_answer.tokens == prefill.tokens  # the model's own answer
+    assert sick_answer.reused_tokens < STORED and sick_answer.stats["miss_reason"]
+    assert sick_answer.ttft_s <= bound + MARGIN(prefill.ttft_s), (fault, sick_answer.ttft_s, bound)
+    assert gauges["kvcodec_store_breaker_state"] == 2  # open: the next request skips the store at once
+    assert after[-1].reused_tokens == STORED and after[-1].tokens == prefill.tokens, (fault, len(after))
+    assert healed["kvcodec_store_breaker_state"] == 0
+    # released: the hung calls ended by their request's deadline, their connections closed
+    assert healed["kvcodec_store_calls:running"] == 0 and healed["kvcodec_store_calls:abandoned"] == 0, healed
+    assert healed["kvcodec_store_calls:queued"] == 0
+
+
+def test_the_breaker_skips_a_dead_store_without_waiting(sick):
+    """While the store stays dead (accepting, never answering), requests after the first skip it at
+    once: their TTFT is prefill's, and the proxy sees no new connection from them (a probe aside)."""
+    proxy, client, ids, prefill = sick["proxy"], sick["client"], sick["ids"], sick["prefill"]
+    proxy.set_mode("blackhole")
+    try:
+        first = client.generate(ids, TOKENS, reuse=True)
+        assert first.reused_tokens == 0 and "timed out" in first.stats["miss_reason"]
+        accepted = sum(proxy.accepted.values())
+        t0 = time.monotonic()
+        second = client.generate(ids, TOKENS, reuse=True)
+        assert second.tokens == prefill.tokens and "store skipped" in second.stats["miss_reason"]
+        assert second.stats["store"]["breaker"] in ("open", "half-open")
+        assert sum(proxy.accepted.values()) - accepted <= 1  # at most one probe's connection
+        assert second.ttft_s <= prefill.ttft_s + MARGIN(prefill.ttft_s), (second.ttft_s, prefill.ttft_s)
+        print(f"breaker open: TTFT {second.ttft_s:.2f} s against prefill's {prefill.ttft_s:.2f} s "
+              f"({time.monotonic() - t0:.2f} s); the first request after the fault {first.ttft_s:.2f} s")
+    finally:
+        proxy.set_mode("ok")
+    after = [client.generate(ids, TOKENS, reuse=True)]
+    if after[0].reused_tokens != STORED:
+        after.append(client.generate(ids, TOKENS, reuse=True))
+    assert after[-1].reused_tokens == STORED
+    print(f"store fault figures: {sick['seen']}")
