@@ -155,3 +155,14 @@ def test_the_engines_tokenizer_function_is_not_shadowed_by_its_submodule():
     from kvcodec.engines import tokenizer
 
     assert tokenizer.__module__ == "kvcodec.engines"
+
+
+@pytest.mark.parametrize("command", [["serve"], ["ingest", "--text-file", "t"], ["generate", "--text-file", "t"],
+                                     ["eval", "--text-file", "t"], ["rd"], ["eval-task"], ["demo"],
+                                     ["profile", "fit"], ["profile", "weigh", "--base", "b", "--out", "o"],
+                                     ["bench", "ttft"], ["bench", "concurrency"], ["soak"]],
+                         ids=lambda c: "-".join(c[:2]).replace("--text-file", "").strip("-"))
+def test_every_command_that_loads_a_model_takes_model(models, smollm2_folder, command):
+    folder = write_model(models / "tiny-llama", smollm2_folder)
+    args = cli.build_parser().parse_args([*command, "--model", str(folder), "--home", str(models / "home")])
+    assert cli._settings(args).model == folder.resolve()
