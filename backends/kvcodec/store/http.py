@@ -285,4 +285,6 @@ class HttpStore(KVStore):
             how = "the token was not accepted" if self._headers else f"no token is set ({TOKEN_ENV})"
             raise StoreUnavailable(f"HTTP store {self.url} refused the {action} of {key} "
                                    f"(HTTP {status}, credentials: {how})")
+        if status == 507:
+            raise StoreUnavailable(f"HTTP store {self.url} is full (HTTP 507 Insufficient Storage): {what} {key}")
         raise StoreUnavailable(f"HTTP store {self.url}: {what} {key} answered HTTP {status}")

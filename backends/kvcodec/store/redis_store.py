@@ -150,6 +150,9 @@ class _RedisBase(KVStore):
             if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
                 raise StoreUnavailable(f"{self.kind} store {self.url}: TLS certificate not accepted against "
                                        f"{self.ca_file or 'the system CAs'} ({what} {key}: {exc})") from None
+            if isinstance(exc, rx.OutOfMemoryError) or "maxmemory" in str(exc):
+                raise StoreUnavailable(f"{self.kind} store {self.url} is full ({what} {key}: {exc}; "
+                                       "see maxmemory and maxmemory-policy allkeys-lru)") from None
             if isinstance(exc, rx.ResponseError) and not isinstance(exc, rx.ClusterError):
                 raise StoreUnavailable(f"{self.kind} store {self.url}: {what} {key} failed: {exc}") from None
             raise StoreUnavailable(f"{self.kind} store {self.url} unreachable ({what} {key}): "
