@@ -185,20 +185,28 @@ def folder_identity(folder: Path, cache_dir: os.PathLike) -> str:
     files = [folder / "config.json"] + weight_files(folder)
     stamp = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
     record = Path(cache_dir) / "identities" / f"{hashlib.sha256(str(folder).encode()).hexdigest()[:32]}.json"
-    try:
-        known = json.loads(record.read_text())
-        if known.get("folder") == str(folder) and known.get("files") == stamp:
-            return known["model_id"]
-    except (OSError, ValueError, KeyError):
-        pass
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0" + bytes.fromhex(_sha256(f)))
-    model_id = f"{folder.name}@hf-sha256:{h.hexdigest()}"
+
+    def known() -> Optional[str]:
+        try:
+            data = json.loads(record.read_text())
+            return data["model_id"] if data.get("folder") == str(folder) and data.get("files") == stamp else None
+        except (OSError, ValueError, KeyError, AttributeError):
+            return None
+
+    if known():
+        return known()
     record.parent.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"folder": str(folder), "files": stamp, "model_id": model_id}))
-    os.replace(tmp, record)
+    with open(record.with_suffix(".lock"), "w") as lock:  # the steps of a starting server hash once, not each
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if known():
+            return known()
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0" + bytes.fromhex(_sha256(f)))
+        model_id = f"{folder.name}@hf-sha256:{h.hexdigest()}"
+        tmp = record.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"folder": str(folder), "files": stamp, "model_id": model_id}))
+        os.replace(tmp, record)
     return model_id
 
 
