@@ -14,7 +14,7 @@ tritonserver launcher, bench, demo, rd, eval). Imports go one way: tools -> clie
     kvcodec demo     [--json perf/results/demo.json]
     kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
     kvcodec bench concurrency [--engine E] --clients 1,4,8 --requests 4 [--json perf/results/concurrency.json]
-    kvcodec repository --variant cpu|gpu|trtllm --out DIR [--gpus 0] [--store URL] [--ladder RUNGS]
+    kvcodec repository --variant cpu|gpu|trtllm|trtllm-llmapi --out DIR [--gpus 0] [--store URL] [--ladder RUNGS]
     kvcodec soak     [--engine E] --clients 8 --duration-s 300 --protocols grpc,http [--json perf/results/reliability.json]
     kvcodec store usage --store URL [--json];  kvcodec store gc --store URL --max-bytes N [--older-than D]
 
@@ -329,7 +329,7 @@ def cmd_repository(args) -> int:
     from kvcodec_tools.repository import TRTLLM_CONFIG_FILE, TRTLLM_MODEL, TRTLLM_MODEL_PY, parse_instances, render
 
     settings = None
-    if args.variant == "trtllm":  # model.yaml names the project's converted model folder: make it ready
+    if args.variant == "trtllm-llmapi":  # model.yaml names the project's converted model folder: make it ready
         from kvcodec.engines import model_files
 
         settings = _settings(args)
@@ -338,6 +338,9 @@ def cmd_repository(args) -> int:
                  instances=parse_instances(args.instances or ""))
     print(f"kvcodec repository: wrote the {args.variant} repository to {out}")
     if args.variant == "trtllm":
+        print("  next: in NVIDIA's tritonserver -trtllm-python container, install this project and run\n"
+              f"        tritonserver --model-repository {out}   (docs/deploy-trtllm.md)")
+    if args.variant == "trtllm-llmapi":
         version = out / TRTLLM_MODEL / "1"
         print(f"  next: cp {TRTLLM_MODEL_PY}/model.py {TRTLLM_MODEL_PY}/helpers.py {version}/\n"
               f"        export TRTLLM_KVCODEC_CONFIG={version / TRTLLM_CONFIG_FILE}\n"
@@ -462,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("repository", help="write a model repository variant derived from model_repository/: "
                                           "cpu, gpu, or trtllm (TensorRT-LLM's LLM-API model with our connector)")
-    p.add_argument("--variant", choices=["cpu", "gpu", "trtllm"], required=True)
+    p.add_argument("--variant", choices=["cpu", "gpu", "trtllm", "trtllm-llmapi"], required=True)
     p.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
     p.add_argument("--gpus", type=_list(int), default=[0], help="GPU ids of the KIND_GPU instances (trtllm: one)")
     p.add_argument("--source", default=str(DEFAULT_REPOSITORY), help="the committed repository it is derived from")

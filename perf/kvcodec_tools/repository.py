@@ -13,22 +13,23 @@ Variants (``VARIANTS``):
   tensors arrive as DLPack-able device buffers and ``kvcodec.triton.get_array`` copies to the host
   only where a step needs numpy), and ``kv_decode`` decodes with NVDEC (``decoder: "nvdec"``; the
   GPU id comes from the instance). ``kv_fetch`` stays on the CPU: it waits on the network.
-- ``trtllm``: TensorRT-LLM 1.2's own LLM-API model (``tensorrt_llm``, from NVIDIA's
-  ``triton_backend/all_models/llmapi``) in place of the whole chain, with our KV cache connector
-  (``kvcodec.engines.trtllm_connector``) named in its ``1/model.yaml``: ``tensorrt_llm/config.pbtxt``
-  (KIND_GPU on one GPU, decoupled, the LLM-API model's inputs and outputs: ``text_input`` in,
-  ``text_output`` out), ``1/model.yaml`` (backend pytorch, block reuse on, ``tokens_per_block``, the
-  connector), ``1/kvcodec-trtllm.json`` (the connector's settings, the file ``TRTLLM_KVCODEC_CONFIG``
-  names, from ``Settings`` and the model card) and ``README.txt``. Its ``1/model.py`` and
-  ``1/helpers.py`` are TensorRT-LLM's, copied from the container (``TRTLLM_MODEL_PY``), not ours.
-
-Why the ``trtllm`` variant has no kv_fetch -> kv_decode -> kv_restore: TensorRT-LLM runs the model
-in its own worker processes and takes only text (it tokenizes the prompt itself), and it asks the
-connector for the stored prefix once, when its scheduler adds the request; that answer is final, so
-the KV must already be restored then. A staging store that kv_restore writes to (under /dev/shm)
-would carry the same chunks through one more copy and a second deadline, keyed by token ids the
-ensemble would have to compute with a tokenizer that must match TensorRT-LLM's; the connector
-instead runs the same library chain (store -> ``ChunkDecoder`` -> ``restore``) in the scheduler.
+- ``trtllm``: the user's ensemble fed into TensorRT-LLM: the gpu variant's kv_fetch -> kv_decode
+  (NVDEC) -> kv_restore, and an ``llm`` step (``engine: "trtllm"``, ``kvcodec.engines.trtllm_engine``)
+  that hosts TensorRT-LLM's LLM API in its own process (``TLLM_WORKER_USE_SINGLE_PROCESS=1``) and
+  stages each request's restored chunks for our KV connector, which promises TensorRT-LLM exactly
+  those tokens. Choose it to get the pipelined read path (chunks decoded on NVDEC while later ones
+  are on the wire) on the first request of a prefix.
+- ``trtllm-llmapi``: TensorRT-LLM 1.2's own LLM-API model (``tensorrt_llm``, from NVIDIA's
+  ``triton_backend/all_models/llmapi``) alone, unmodified, with our connector named in its
+  ``1/model.yaml``: ``tensorrt_llm/config.pbtxt`` (KIND_CPU as NVIDIA's is: TensorRT-LLM places itself
+  on the GPU; decoupled; the LLM-API model's inputs and outputs: ``text_input`` in, ``text_output``
+  out), ``1/model.yaml`` (backend pytorch, block reuse on, ``tokens_per_block``, the connector),
+  ``1/kvcodec-trtllm.json`` (the connector's settings, the file ``TRTLLM_KVCODEC_CONFIG`` names) and
+  ``README.txt``. Its ``1/model.py`` and ``1/helpers.py`` are TensorRT-LLM's, copied from the
+  container (``TRTLLM_MODEL_PY``). Here the connector reads the store itself, never on
+  TensorRT-LLM's executor thread: a prompt whose prefix is not yet staged is computed while its
+  stored chunks are read into the stage in the background (``prefetch``), and the prompts that
+  follow with that prefix reuse it. Choose it to keep NVIDIA's model untouched.
 
 ``instances`` (``--instances kv_decode=2,kv_restore=2``) sets the ``instance_group`` count of steps
 (per GPU on the gpu variant): ``kv_fetch``, ``kv_decode`` and ``kv_restore`` hold no state across
@@ -61,10 +62,6 @@ TRTLLM_CONFIG_FILE = "kvcodec-trtllm.json"
 # Where the NGC container (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3) keeps TensorRT-LLM's
 # LLM-API model; the same files are triton_backend/all_models/llmapi/tensorrt_llm/1/ in NVIDIA/TensorRT-LLM.
 TRTLLM_MODEL_PY = "/app/all_models/llmapi/tensorrt_llm/1"
-CONNECTOR = {"connector_module": "kvcodec.engines.trtllm_connector",
-             "connector_scheduler_class": "KVCodecScheduler",
-             "connector_worker_class": "KVCodecWorker"}
-
 _T = model_config_pb2
 # The LLM-API model's inputs and outputs as TensorRT-LLM 1.2's llmapi config.pbtxt and model.py have them
 # (the subset both its 1.x model.py versions read and send): a prompt as text, sampling parameters, text out.
@@ -124,25 +121,40 @@ def _gpu(committed: Dict[str, Any], gpus: Sequence[int]) -> Dict[str, Any]:
     return committed
 
 
-def trtllm_model_config(gpus: Sequence[int] = (0,)) -> "model_config_pb2.ModelConfig":
-    """``tensorrt_llm/config.pbtxt``: the LLM-API model on one GPU, decoupled, no batch dimension
-    (``max_batch_size`` and ``decoupled`` equal to ``model.yaml``'s ``triton_config``, so the model's
-    ``auto_complete_config`` finds nothing to change, and ``--disable-auto-complete-config`` loses nothing)."""
+def _one_gpu(gpus: Sequence[int], variant: str) -> None:
     if len(gpus) != 1:
-        raise ConfigError(f"the trtllm variant runs on one GPU (the connector refuses tensor and pipeline "
+        raise ConfigError(f"the {variant} variant runs on one GPU (the connector refuses tensor and pipeline "
                           f"parallelism), got --gpus {','.join(str(g) for g in gpus) or '(none)'}")
+
+
+def trtllm_model_config(gpus: Sequence[int] = (0,)) -> "model_config_pb2.ModelConfig":
+    """``tensorrt_llm/config.pbtxt``: the LLM-API model, KIND_CPU as NVIDIA's (TensorRT-LLM places itself
+    on the GPU: ``CUDA_VISIBLE_DEVICES`` picks it), decoupled, no batch dimension (``max_batch_size``
+    and ``decoupled`` equal to ``model.yaml``'s ``triton_config``, so the model's
+    ``auto_complete_config`` finds nothing to change, and ``--disable-auto-complete-config`` loses nothing)."""
+    _one_gpu(gpus, "trtllm-llmapi")
     cfg = model_config_pb2.ModelConfig(name=TRTLLM_MODEL, backend="python", max_batch_size=0)
     cfg.model_transaction_policy.decoupled = True
     for name, dtype, dims, optional in TRTLLM_INPUTS:
         cfg.input.add(name=name, data_type=dtype, dims=dims, optional=optional)
     for name, dtype, dims in TRTLLM_OUTPUTS:
         cfg.output.add(name=name, data_type=dtype, dims=dims)
-    _gpu_group(cfg, gpus)
+    group = cfg.instance_group.add()
+    group.kind = model_config_pb2.ModelInstanceGroup.KIND_CPU
+    group.count = 1
     return cfg
 
 
-def _trtllm(committed: Dict[str, Any], gpus: Sequence[int]) -> Dict[str, Any]:
+def _trtllm_llmapi(committed: Dict[str, Any], gpus: Sequence[int]) -> Dict[str, Any]:
     return {TRTLLM_MODEL: trtllm_model_config(gpus)}
+
+
+def _trtllm(committed: Dict[str, Any], gpus: Sequence[int]) -> Dict[str, Any]:
+    """The gpu variant's ensemble with TensorRT-LLM as the llm step's engine (one GPU)."""
+    _one_gpu(gpus, "trtllm")
+    rendered = _gpu(committed, gpus)
+    _set_parameter(rendered[SINGLE_INSTANCE], "engine", "trtllm")
+    return rendered
 
 
 # variant name -> (the committed configs by step name, GPU ids) -> the variant's configs by model name
@@ -150,6 +162,7 @@ VARIANTS: Dict[str, Callable[[Dict[str, Any], Sequence[int]], Dict[str, Any]]] =
     "cpu": _cpu,
     "gpu": _gpu,
     "trtllm": _trtllm,
+    "trtllm-llmapi": _trtllm_llmapi,
 }
 
 
@@ -174,7 +187,7 @@ def _set_instances(rendered: Dict[str, Any], name: str, count: int) -> None:
     if name not in SCALABLE and name != SINGLE_INSTANCE:
         raise ConfigError(f"--instances names a step: one of {', '.join(SCALABLE + (SINGLE_INSTANCE,))}, got {name!r}")
     if name not in rendered:
-        raise ConfigError(f"the repository has no {name} step to give instances (the trtllm variant has none)")
+        raise ConfigError(f"the repository has no {name} step to give instances (the trtllm-llmapi variant has none)")
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_INSTANCES:
         raise ConfigError(f"{name}'s instance count must be an integer in 1..{MAX_INSTANCES}, got {count!r}")
     for group in rendered[name].instance_group:
@@ -211,21 +224,15 @@ def trtllm_settings(settings, card) -> Dict[str, Any]:
 
 
 def trtllm_model_yaml(model: str, tokens_per_block: int = 32) -> Dict[str, Any]:
-    """``1/model.yaml``: every key but ``triton_config`` is an ``LLM()`` argument (TorchLlmArgs)."""
+    """``1/model.yaml``: every key but ``triton_config`` is an ``LLM()`` argument (TorchLlmArgs): the
+    same arguments the ensemble's engine passes (``trtllm_engine.llm_arguments``). CUDA graphs stay
+    on (TensorRT-LLM's default): the connector runs with them from 1.2.0rc2 on (PR #8275) and says at
+    start, on older releases, to add ``cuda_graph_config: null``."""
+    from kvcodec.engines.trtllm_engine import llm_arguments
+
     if tokens_per_block <= 0:
         raise ConfigError(f"tokens_per_block must be positive, got {tokens_per_block}")
-    return {
-        "model": model,
-        "backend": "pytorch",
-        "tensor_parallel_size": 1,
-        "pipeline_parallel_size": 1,
-        "dtype": "float16",  # the model card's kv_dtype: the KV pool is float16, the raw rung stores it
-        "attn_backend": "TRTLLM",  # the block layout the connector writes
-        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": tokens_per_block},
-        "scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"},
-        "kv_connector_config": dict(CONNECTOR),
-        "triton_config": {"max_batch_size": 0, "decoupled": True},
-    }
+    return dict(llm_arguments(model, tokens_per_block), triton_config={"max_batch_size": 0, "decoupled": True})
 
 
 def _yaml(data: Mapping[str, Any], indent: int = 0) -> str:
@@ -245,7 +252,7 @@ def _yaml(data: Mapping[str, Any], indent: int = 0) -> str:
 
 _README = """\
 tensorrt_llm: TensorRT-LLM's LLM-API model, with the KVCodec KV cache connector
-(written by `kvcodec repository --variant trtllm`; regenerate rather than edit).
+(written by `kvcodec repository --variant trtllm-llmapi`; regenerate rather than edit).
 
 1/model.py and 1/helpers.py are NOT here: they are TensorRT-LLM's, and must match the
 tensorrt_llm inside the container. Copy them from the NGC container
@@ -276,7 +283,7 @@ def _write_trtllm(out: Path, settings, card, model: Optional[str], tokens_per_bl
     version = out / TRTLLM_MODEL / "1"
     version.mkdir(parents=True, exist_ok=True)
     (version / "model.yaml").write_text(
-        "# Generated by `kvcodec repository --variant trtllm`: TensorRT-LLM's LLM() arguments, with the\n"
+        "# Generated by `kvcodec repository --variant trtllm-llmapi`: TensorRT-LLM's LLM() arguments, with the\n"
         "# KVCodec connector (kvcodec.engines.trtllm_connector; its settings: TRTLLM_KVCODEC_CONFIG).\n"
         + _yaml(trtllm_model_yaml(model, tokens_per_block)) + "\n")
     (version / TRTLLM_CONFIG_FILE).write_text(json.dumps(trtllm_settings(settings, card), indent=2) + "\n")
@@ -295,7 +302,7 @@ def render(source: Path, out: Path, variant: str, gpus: Sequence[int] = (0,), se
            instances: Optional[Mapping[str, int]] = None) -> Path:
     """Write the ``variant`` repository of ``source`` to ``out`` (replaced if it exists).
 
-    ``settings``, ``card``, ``model`` and ``tokens_per_block`` are the ``trtllm`` variant's: the
+    ``settings``, ``card``, ``model`` and ``tokens_per_block`` are the ``trtllm-llmapi`` variant's: the
     connector's settings (default ``Settings.load()``), the model card (default ``trtllm_card``),
     what ``model.yaml`` loads (default the project's converted model folder) and the KV block size."""
     source, out = Path(source).resolve(), Path(out).resolve()
@@ -322,6 +329,6 @@ def render(source: Path, out: Path, variant: str, gpus: Sequence[int] = (0,), se
         for version in sorted((source / name).iterdir()):
             if version.is_dir():
                 shutil.copytree(version, out / name / version.name, ignore=shutil.ignore_patterns("__pycache__"))
-    if variant == "trtllm":
+    if variant == "trtllm-llmapi":
         _write_trtllm(out, settings, card, model, tokens_per_block)
     return out

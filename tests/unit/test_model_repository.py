@@ -32,7 +32,7 @@ def _load(path: Path):
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
 
 
-@pytest.fixture(scope="module", params=["committed", "gpu"])
+@pytest.fixture(scope="module", params=["committed", "gpu", "trtllm"])
 def repo(request, tmp_path_factory) -> Path:
     """The committed repository (the CPU variant) and every variant rendered from it."""
     if request.param == "committed":
@@ -179,7 +179,31 @@ def test_an_unknown_variant_is_a_config_error(tmp_path):
         render(REPO, tmp_path / "x", "tpu")
 
 
-# -- the trtllm variant: TensorRT-LLM's LLM-API model with our connector ----------------------------
+# -- the trtllm variant: the ensemble with TensorRT-LLM as the llm step's engine -------------------
+def test_the_trtllm_variant_is_the_gpu_ensemble_with_tensorrt_llm_as_the_engine():
+    gpu, trt = variant_configs(REPO, "gpu", gpus=[3]), variant_configs(REPO, "trtllm", gpus=[3])
+    assert set(trt) == set(gpu) == {"kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm"}
+    assert trt["llm"].parameters["engine"].string_value == "trtllm"
+    assert trt["kv_decode"].parameters["decoder"].string_value == "nvdec"
+    for name in gpu:  # nothing else differs from the gpu variant
+        same = model_config_pb2.ModelConfig()
+        same.CopyFrom(trt[name])
+        if name == "llm":
+            del same.parameters["engine"]
+        assert same == gpu[name], name
+    with pytest.raises(ConfigError, match="one GPU"):
+        variant_configs(REPO, "trtllm", gpus=[0, 1])
+
+
+def test_the_trtllm_engine_is_registered_and_takes_the_models_chunks_as_they_arrive():
+    from kvcodec.engines import ENGINES
+
+    assert "trtllm" in ENGINES.names()
+    engine = ENGINES.get("trtllm")  # imports without TensorRT-LLM: it is imported when the engine is made
+    assert engine.streams_loads and engine.__name__ == "TrtllmEngine"
+
+
+# -- the trtllm-llmapi variant: TensorRT-LLM's LLM-API model with our connector ---------------------
 TRT_CARD = ModelCard(name="Tiny", model_id="Tiny@sha256:00/trtllm-float16", layers=2, kv_heads=2, head_dim=8,
                      vocab_size=512, max_context=4096, codec_profile=None, kv_dtype="float16")
 
@@ -188,7 +212,7 @@ TRT_CARD = ModelCard(name="Tiny", model_id="Tiny@sha256:00/trtllm-float16", laye
 def trt_repo(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("home")
     settings = Settings.load({"home": str(home), "ladder": "int8-zstd,raw", "chunk_tokens": "64"}, env={})
-    return render(REPO, tmp_path_factory.mktemp("repo") / "trtllm", "trtllm", settings=settings, card=TRT_CARD,
+    return render(REPO, tmp_path_factory.mktemp("repo") / "trtllm", "trtllm-llmapi", settings=settings, card=TRT_CARD,
                   model="/models/tiny", tokens_per_block=16)
 
 
@@ -205,12 +229,13 @@ def test_the_trtllm_variant_is_tensorrt_llms_model_alone_without_its_model_py(tr
     assert f"{TRTLLM_MODEL_PY}/model.py" in readme and "TRTLLM_KVCODEC_CONFIG" in readme
 
 
-def test_the_trtllm_config_parses_and_is_the_llmapi_models_interface_on_one_gpu_decoupled(trt_repo):
+def test_the_trtllm_config_parses_and_is_the_llmapi_models_interface_kind_cpu_decoupled(trt_repo):
     cfg = _load(trt_repo / TRTLLM_MODEL / "config.pbtxt")
     assert (cfg.name, cfg.backend, cfg.max_batch_size) == (TRTLLM_MODEL, "python", 0)
     assert cfg.model_transaction_policy.decoupled
     kind = model_config_pb2.ModelInstanceGroup
-    assert [(g.kind, list(g.gpus), g.count) for g in cfg.instance_group] == [(kind.KIND_GPU, [0], 1)]
+    # KIND_CPU as NVIDIA's llmapi model: TensorRT-LLM places itself on the GPU
+    assert [(g.kind, list(g.gpus), g.count) for g in cfg.instance_group] == [(kind.KIND_CPU, [], 1)]
     ins, outs = _io(cfg)
     assert len(ins) == len(cfg.input) and len(outs) == len(cfg.output)
     for t in list(cfg.input) + list(cfg.output):
@@ -234,8 +259,11 @@ def test_the_trtllm_model_yaml_names_our_connector_with_block_reuse(trt_repo):
     assert conn["connector_module"] == trtllm_connector.__name__
     scheduler = getattr(trtllm_connector, conn["connector_scheduler_class"])
     worker = getattr(trtllm_connector, conn["connector_worker_class"])
-    assert issubclass(scheduler, trtllm_connector._SchedulerBase)
-    assert issubclass(worker, trtllm_connector._WorkerBase)
+    from kvcodec.engines.trtllm_compat import bases
+
+    base_scheduler, base_worker, _ = bases()
+    assert issubclass(scheduler, base_scheduler) and issubclass(worker, base_worker)
+    assert "cuda_graph_config" not in cfg  # on by default: supported from 1.2.0rc2 (the connector checks)
     # triton_config is what config.pbtxt says, so the model's auto_complete_config changes nothing
     pbtxt = _load(trt_repo / TRTLLM_MODEL / "config.pbtxt")
     assert cfg["triton_config"] == {"max_batch_size": pbtxt.max_batch_size,
@@ -271,17 +299,16 @@ def test_the_default_trtllm_card_is_the_one_the_connector_makes_without_a_file(t
     assert card == load_config(env).card and card.model_id.endswith("/trtllm-float16")
 
 
-def test_the_trtllm_variant_runs_on_one_gpu():
+def test_the_trtllm_llmapi_variant_runs_on_one_gpu():
     with pytest.raises(ConfigError, match="one GPU"):
-        variant_configs(REPO, "trtllm", gpus=[0, 1])
-    assert list(variant_configs(REPO, "trtllm", gpus=[2])[TRTLLM_MODEL].instance_group[0].gpus) == [2]
+        variant_configs(REPO, "trtllm-llmapi", gpus=[0, 1])
 
 
 def test_the_cli_writes_a_variant(tmp_path):
     from kvcodec_tools.cli import build_parser, main
 
-    args = build_parser().parse_args(["repository", "--variant", "trtllm", "--out", "x"])
-    assert (args.variant, args.gpus) == ("trtllm", [0])
+    args = build_parser().parse_args(["repository", "--variant", "trtllm-llmapi", "--out", "x"])
+    assert (args.variant, args.gpus) == ("trtllm-llmapi", [0])
     assert main(["repository", "--variant", "gpu", "--out", str(tmp_path / "gpu"), "--gpus", "1"]) == 0
     written = {p.parent.name: _load(p) for p in (tmp_path / "gpu").glob("*/config.pbtxt")}
     assert written == variant_configs(REPO, "gpu", gpus=[1])
@@ -312,7 +339,7 @@ def test_instances_refused(instances, message):
     with pytest.raises(ConfigError, match=message):
         variant_configs(REPO, "cpu", instances=instances)
     with pytest.raises(ConfigError, match="no kv_decode step"):
-        variant_configs(REPO, "trtllm", instances={"kv_decode": 2})
+        variant_configs(REPO, "trtllm-llmapi", instances={"kv_decode": 2})
 
 
 def test_instances_parse_from_the_command_line(tmp_path):

@@ -103,6 +103,7 @@ class Engine(Protocol):
 ENGINES: Registry = Registry("engine")
 ENGINES.register("transformers", "kvcodec.engines.transformers_engine:TransformersEngine")
 ENGINES.register("vllm", "kvcodec.engines.vllm_engine:VllmEngine")
+ENGINES.register("trtllm", "kvcodec.engines.trtllm_engine:TrtllmEngine")  # TensorRT-LLM's LLM API (its container)
 
 
 def model_card(settings) -> ModelCard:

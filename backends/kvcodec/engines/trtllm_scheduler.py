@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..connector import LoadSession, SaveJob, SaveTracker, chunks_to_save, matched_tokens
+from ..connector import HandOff, LoadSession, SaveJob, SaveTracker, chunks_to_save, matched_tokens, prompt_key
 from ..errors import KVCodecError, Unsupported
 from ..format.keys import chunk_keys, reusable_chunks
 from ..format.ladder import parse_ladder, rung_name
@@ -129,6 +129,7 @@ class KVCodecScheduler(_SchedulerBase):
         self.store = store or open_store(self.cfg.store)
         self.stage = shared.STAGE if stage is None else stage
         self.loads = shared.LOADS if loads is None else loads
+        self._handoff: HandOff = shared.HANDOFF if pages_of is None else HandOff()
         self._pages_of = pages_of or (lambda: shared.HANDOFF.pages)
         prefetch = self.cfg.prefetch if prefetch is None else prefetch
         self.prefetcher = Prefetcher(self.cfg, self.store, self.stage) if prefetch else None
@@ -166,6 +167,8 @@ class KVCodecScheduler(_SchedulerBase):
         while len(self._matched) > MAX_TRACKED:
             self._matched.popitem(last=False)
         self.counters["matched_tokens"] += n
+        if self.prefetcher is None:  # the ensemble's engine (trtllm_engine) reports what was promised
+            self._handoff.post("promised:" + prompt_key(ids, salt), n)
         log.info("request %s: %d of %d prompt tokens from the stage (device had %d)", rid, n, len(ids), computed)
         return n, True
 

@@ -1,0 +1,191 @@
+"""The TensorRT-LLM engine (``trtllm``): the ensemble's ``llm`` step hosting TensorRT-LLM's LLM API
+(PyTorch backend), fed by the kv_fetch -> kv_decode -> kv_restore steps through its KV connector.
+
+Written against TensorRT-LLM 1.2.x's documented LLM API (``tensorrt_llm.LLM``, ``SamplingParams``,
+``generate_async(..., streaming=True)``) and its KV connector; it has not run here: TensorRT-LLM
+does not install on these machines, nor on the lent GPU machine (no registry there). The connector
+it drives is replay-tested on CPU (``tests/unit/test_trtllm_connector.py``), the same way the vLLM
+engine's connector runs for real in CI.
+
+- In process: ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` (set before the first ``LLM(...)``; TensorRT-LLM's
+  own connector tests use it) keeps the executor and both connector halves in this process, as the
+  vLLM engine does with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so restored chunks are handed over in
+  memory (``trtllm_connector.STAGE``), never through a file or CUDA IPC.
+- ``stream(ids, max_tokens, load=session)`` (``streams_loads``): the llm step hands the request over
+  at its first chunk; this waits (in the step's worker thread, never on TensorRT-LLM's executor)
+  until the session's usable prefix is settled, stages that KV under the prompt's prefix (on the
+  device when the engine is on one), then submits the prompt. The connector's scheduler finds it
+  staged and promises exactly those tokens as an asynchronous load; nothing that can still fail is
+  promised (TensorRT-LLM has no way to take a promise back). ``report`` receives
+  ``reused_tokens`` (what the connector promised) and ``staged_tokens``.
+- Write-back after a miss is the connector worker's (``trtllm_worker``, ``writeback`` rungs); the
+  connector's settings come from ``Settings`` through a config file this engine writes under
+  ``<home>/trtllm/`` and names in ``TRTLLM_KVCODEC_CONFIG`` (``prefetch`` off: the steps read).
+- ``prefill_chunks`` (ingest) and ``continuation_logprobs`` (eval) are not offered: ingest through the
+  transformers engine is not this engine's KV; send the context once instead (its write-back stores
+  it) or use the stock LLM-API deployment's prefetch (docs/deploy-trtllm.md).
+
+The model's identity is the model files' identity plus ``/trtllm-float16`` (TensorRT-LLM's KV differs
+from the other engines' in the last bits; ``raw`` chunks are bit-exact to the engine that reuses
+them).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, replace
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import BadRequest, Unsupported
+from ..format.geometry import Geometry
+from . import ModelCard, model_files
+from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("kvcodec.trtllm")
+
+KV_DTYPE = "float16"
+SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
+CONNECTOR_MODULE = "kvcodec.engines.trtllm_connector"
+
+
+def llm_arguments(model: str, tokens_per_block: int = 32) -> Dict[str, Any]:
+    """``LLM(**arguments)``: what the connector needs of TensorRT-LLM (also ``model.yaml`` of the stock
+    deployment, by ``kvcodec repository``)."""
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+    return {
+        "model": model,
+        "backend": "pytorch",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "dtype": KV_DTYPE,  # the model card's kv_dtype: the KV pool is float16, the raw rung stores it
+        "attn_backend": "TRTLLM",  # the block layout the connector writes
+        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": tokens_per_block},
+        "scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"},
+        "kv_connector_config": {"connector_module": CONNECTOR_MODULE,
+                                "connector_scheduler_class": "KVCodecScheduler",
+                                "connector_worker_class": "KVCodecWorker"},
+    }
+
+
+def connector_settings(settings, card: ModelCard, prefetch: bool) -> Dict[str, Any]:
+    """The connector's config file (``trtllm_config.from_mapping``) from ``Settings`` and the card."""
+    return {"store": settings.store, "ladder": list(settings.ladder), "chunk_tokens": settings.chunk_tokens,
+            "writeback": list(settings.writeback) or "off", "key_file": str(settings.key_file),
+            "decoder": settings.decoder, "threads": max(1, settings.threads),
+            "fetch_timeout_s": settings.fetch_timeout_s, "prefetch": prefetch, "model": asdict(card)}
+
+
+class TrtllmEngine(model_files.EngineFiles):
+    max_concurrency = 64  # requests in flight; TensorRT-LLM's executor batches them
+    streams_loads = True
+
+    @classmethod
+    def model_card(cls, settings) -> ModelCard:
+        base = model_files.card_for(settings)
+        return replace(base, model_id=f"{base.model_id}/trtllm-{KV_DTYPE}", kv_dtype=KV_DTYPE)
+
+    @classmethod
+    def from_settings(cls, settings) -> "TrtllmEngine":
+        return cls(settings)
+
+    def __init__(self, settings, tokens_per_block: int = 32) -> None:
+        os.environ[SINGLE_PROCESS_ENV] = "1"  # before the first LLM(): executor and connector in this process
+        try:
+            from tensorrt_llm import LLM
+            from tensorrt_llm.llmapi.llm_args import KvCacheConnectorConfig
+        except ImportError as exc:
+            raise Unsupported(f"the trtllm engine needs TensorRT-LLM 1.2 (NGC's tritonserver -trtllm-python "
+                              f"container): {exc}") from None
+        from .tokenizer import Tokenizer
+        from .trtllm_config import CONFIG_ENV
+
+        self.settings = settings
+        files = model_files.files_for(settings)
+        self.card = self.model_card(settings)
+        self.model_id = self.card.model_id
+        self.tokenizer = Tokenizer(files)
+        self.chunk_tokens = settings.chunk_tokens
+        folder = settings.home / "trtllm"
+        folder.mkdir(parents=True, exist_ok=True)
+        config = folder / "kvcodec-trtllm.json"
+        config.write_text(json.dumps(connector_settings(settings, self.card, prefetch=False), indent=2))
+        os.environ[CONFIG_ENV] = str(config)
+        args = llm_arguments(str(files.path), tokens_per_block)
+        args["kv_connector_config"] = KvCacheConnectorConfig(**args["kv_connector_config"])
+        self._llm = LLM(**args)
+
+    # -- the contract -------------------------------------------------------------------------
+    def geometry(self, tokens: int) -> Geometry:
+        return self.card.geometry(tokens)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer.decode)
+
+    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
+               report: Optional[dict] = None, load=None) -> Iterator[int]:
+        from tensorrt_llm import SamplingParams
+
+        if len(ids) == 0:
+            raise BadRequest("prompt is empty")
+        staged = stage_restored(list(ids), load, past_kv, self.chunk_tokens, self.settings.fetch_timeout_s)
+        params = SamplingParams(max_tokens=int(max_tokens), temperature=0.0)
+        first = True
+        for output in self._llm.generate_async(list(ids), sampling_params=params, streaming=True):
+            if first and report is not None:
+                report.update(staged_tokens=staged, reused_tokens=promised_tokens(ids))
+                first = False
+            for token in output.outputs[0].token_ids_diff:
+                yield int(token)
+
+    def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]:
+        raise Unsupported("the trtllm engine does not ingest: send the context once (its write-back stores it)")
+
+    def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+        raise Unsupported("the trtllm engine does not score codecs: use kvcodec eval --engine transformers or vllm")
+
+    def close(self) -> None:
+        self._llm.shutdown()
+
+
+def stage_restored(ids: List[int], load, past_kv, chunk_tokens: int, timeout_s: float) -> int:
+    """Put what the request brings into the connector's stage (its settled, verified prefix), on the
+    device when there is one; the tokens staged."""
+    from .trtllm_connector import STAGE
+
+    if load is not None:
+        if not load.wait_settled(timeout_s):
+            log.warning("chunks still missing after %.0f s: the prompt is computed", timeout_s)
+            return 0
+        past_kv = load.past_kv()
+    if past_kv is None:
+        return 0
+    n = min(int(past_kv.shape[3]), len(ids) - 1)
+    n -= n % chunk_tokens
+    if n <= 0:
+        return 0
+    kv = past_kv[:, :, :, :n]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            kv = torch.from_numpy(np.ascontiguousarray(kv)).to("cuda", non_blocking=True)
+    except ImportError:
+        pass
+    STAGE.put(ids, kv, "", chunk_tokens)
+    return n
+
+
+def promised_tokens(ids: Sequence[int]) -> int:
+    """What the connector promised for this prompt (its scheduler records it by prompt)."""
+    from ..connector import prompt_key
+    from .trtllm_connector import HANDOFF
+
+    value = HANDOFF.pop("promised:" + prompt_key(list(ids)))
+    return int(value or 0)

@@ -1,0 +1,149 @@
+"""The ensemble's TensorRT-LLM engine (``kvcodec.engines.trtllm_engine``) against a stand-in LLM API.
+
+TensorRT-LLM does not install here. The stand-in ``tensorrt_llm`` does what 1.2's ``LLM`` does with
+a KV connector, as far as the hand-off goes: it builds ``KVCodecScheduler`` and ``KVCodecWorker``
+from the ``kv_connector_config`` it is given (module and class names, as TensorRT-LLM imports them)
+with its llm_args, registers a KV pool, and per request asks the scheduler, parks an asynchronous
+load until the worker reports it, then "generates". What is checked is ours: the engine keeps the
+executor in process (``TLLM_WORKER_USE_SINGLE_PROCESS``), writes the connector's settings where the
+connector reads them, stages only the settled, verified prefix of the request's chunks, and the
+promise reaches the blocks and the report; a request whose chunks fail is promised nothing.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvcodec.connector import LoadSession
+from kvcodec.engines.model_files import ensure_model
+from kvcodec.settings import Settings
+from tests.other_model import GEOMETRY, write_model
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+L, H, D = GEOMETRY["layers"], GEOMETRY["kv_heads"], GEOMETRY["head_dim"]
+BS = 32  # tokens per block
+
+
+class FakeLLM:
+    instances: list = []
+
+    def __init__(self, **args) -> None:
+        assert args["backend"] == "pytorch" and args["kv_cache_config"]["enable_block_reuse"]
+        self.single_process = __import__("os").environ.get("TLLM_WORKER_USE_SINGLE_PROCESS")
+        cfg = args["kv_connector_config"]
+        module = importlib.import_module(cfg.connector_module)
+        llm_args = SimpleNamespace(kv_cache_config=SimpleNamespace(**args["kv_cache_config"]), tensor_parallel_size=1,
+                                   pipeline_parallel_size=1, attn_backend=args["attn_backend"], cuda_graph_config=None)
+        self.scheduler = getattr(module, cfg.connector_scheduler_class)(llm_args)
+        self.worker = getattr(module, cfg.connector_worker_class)(llm_args)
+        self.pool = torch.full((64, L, 2, H * BS * D), -100.0, dtype=torch.float16)
+        self.worker.register_kv_caches(self.pool)
+        self.next_id, self.blocks = 0, {}
+        FakeLLM.instances.append(self)
+
+    def generate_async(self, ids, sampling_params, streaming):
+        self.next_id += 1
+        rid = self.next_id
+        request = SimpleNamespace(request_id=rid, prompt_len=len(ids), get_tokens=lambda beam: list(ids))
+        n, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
+        blocks = list(range(-(-len(ids) // BS)))
+        self.blocks[rid] = (blocks, n)
+        self.scheduler.update_state_after_alloc(request, blocks)
+        end = time.monotonic() + 10
+        while is_async and rid not in self.worker.get_finished([], [rid])[1]:
+            assert time.monotonic() < end, "the load was never reported"
+            time.sleep(0.005)
+        for token in range(sampling_params.max_tokens):
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids_diff=[100 + token])])
+
+    def shutdown(self) -> None:
+        self.scheduler.close()
+        self.worker.close()
+
+
+@pytest.fixture
+def fake_trtllm(monkeypatch):
+    llmapi = types.ModuleType("tensorrt_llm.llmapi")
+    llm_args = types.ModuleType("tensorrt_llm.llmapi.llm_args")
+    llm_args.KvCacheConnectorConfig = lambda **kw: SimpleNamespace(**kw)
+    root = types.ModuleType("tensorrt_llm")
+    root.LLM = FakeLLM
+    root.SamplingParams = lambda max_tokens, temperature: SimpleNamespace(max_tokens=max_tokens)
+    root.__path__ = []
+    llmapi.__path__ = []
+    for name, module in {"tensorrt_llm": root, "tensorrt_llm.llmapi": llmapi,
+                         "tensorrt_llm.llmapi.llm_args": llm_args}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
+    monkeypatch.setenv("TRTLLM_KVCODEC_CHUNK_KEY", bytes(range(32)).hex())
+    FakeLLM.instances.clear()
+    yield
+
+
+@pytest.fixture
+def engine(fake_trtllm, tmp_path, monkeypatch):
+    from kvcodec.engines.trtllm_engine import TrtllmEngine
+
+    monkeypatch.setenv("TRTLLM_KVCODEC_CONFIG", "")
+    folder = write_model(tmp_path / "tiny", ensure_model(REPO / ".cache" / "models").path)
+    settings = Settings.load({"model": str(folder), "model_cache": str(tmp_path / "cache"),
+                              "home": str(tmp_path / "home"), "store": f"memory://trt-{tmp_path.name}",
+                              "ladder": "raw", "writeback": "off", "chunk_tokens": "64"}, env={})
+    made = TrtllmEngine(settings)
+    yield made
+    made.close()
+
+
+def test_the_request_is_promised_its_staged_chunks_in_process(engine):
+    import os
+
+    llm = FakeLLM.instances[-1]
+    assert llm.single_process == "1" and os.environ["TRTLLM_KVCODEC_CONFIG"].endswith("kvcodec-trtllm.json")
+    assert engine.card.model_id.endswith("/trtllm-float16") and engine.streams_loads
+    ids = list(range(1000, 1200))  # 200 tokens: three chunks of 64, one token left
+    kv = (np.random.default_rng(0).integers(-512, 512, (L, 2, H, 192, D)) / 16).astype(np.float16)
+    session = LoadSession(64, 3)
+    session.put(2, kv[:, :, :, 128:])
+    session.put(0, kv[:, :, :, :64])
+    session.put(1, kv[:, :, :, 64:128])
+    report: dict = {}
+    tokens = list(engine.stream(ids, 3, report=report, load=session))
+    assert tokens == [100, 101, 102]
+    assert report == {"staged_tokens": 192, "reused_tokens": 192}
+    blocks, promised = llm.blocks[1]
+    assert promised == 192
+    from kvcodec.connector import KVPages
+
+    pages = KVPages.from_trtllm(llm.pool, L, H, BS, D)
+    np.testing.assert_array_equal(pages.read(blocks, 0, 192).numpy(), kv)  # the blocks hold the restored KV
+
+
+def test_a_request_whose_first_chunk_failed_is_promised_nothing(engine):
+    session = LoadSession(64, 3)
+    session.fail(0, "corrupt: bad tag")
+    session.put(1, np.zeros((L, 2, H, 64, D), np.float16))
+    session.put(2, np.zeros((L, 2, H, 64, D), np.float16))
+    report: dict = {}
+    assert list(engine.stream(list(range(2000, 2200)), 2, report=report, load=session)) == [100, 101]
+    assert report == {"staged_tokens": 0, "reused_tokens": 0}
+    assert FakeLLM.instances[-1].blocks[1][1] == 0
+
+
+def test_without_tensorrt_llm_the_engine_says_what_it_needs(monkeypatch, tmp_path):
+    from kvcodec.engines.trtllm_engine import TrtllmEngine
+    from kvcodec.errors import Unsupported
+
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
+    with pytest.raises(Unsupported, match="TensorRT-LLM 1.2"):
+        TrtllmEngine(Settings.load({"home": str(tmp_path)}, env={}))
