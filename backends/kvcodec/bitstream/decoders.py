@@ -11,8 +11,11 @@ only when its entry is chosen; a duplicate name raises).
   ``timeout_s`` for ``pyav-process``); ``Unsupported`` if it cannot be made (a self-tested
   decoder, ``bitstream.verified``).
 
-The entropy-coded rungs' device decoders have their registry beside their coder
-(``bitstream.gpu_entropy.ENTROPY_DECODERS``).
+- ``ENTROPY_DECODERS``: decoders of the ``zstd`` coder's frames, the contract of
+  ``simple.ZstdCpuDecoder`` (``decode(frames, size)`` -> the planes' bytes): ``cpu``
+  (python-zstandard) and ``nvcomp`` (nvCOMP on an NVIDIA GPU, ``bitstream.nvcomp``);
+  ``open_entropy_decoder(name, gpu_id=)`` makes one (``auto``: nvCOMP where it opens, else the CPU),
+  ``Unsupported`` when it cannot be made.
 """
 from __future__ import annotations
 
@@ -51,3 +54,24 @@ def open_decoder(name: str, *, threads: int = 1, gpu_id: int = 0, device_output:
         return cls(**{k: v for k, v in offered.items() if k in params})
     except ImportError as exc:
         raise Unsupported(f"decoder {name} unavailable: {exc}") from None
+
+
+ENTROPY_DECODERS: Registry = Registry("entropy decoder")
+ENTROPY_DECODERS.register("cpu", "kvcodec.bitstream.simple:ZstdCpuDecoder")
+ENTROPY_DECODERS.register("nvcomp", "kvcodec.bitstream.nvcomp:NvcompZstdDecoder")
+
+
+def open_entropy_decoder(name: str, *, gpu_id: int = 0) -> Any:
+    """Entropy decoder ``name`` of ``ENTROPY_DECODERS`` (``auto``: ``nvcomp`` if it opens, else
+    ``cpu``), given ``gpu_id`` where its class takes one. Raises ``Unsupported`` if it cannot be made."""
+    if name == "auto":
+        try:
+            return open_entropy_decoder("nvcomp", gpu_id=gpu_id)
+        except Unsupported:
+            return open_entropy_decoder("cpu")
+    cls = ENTROPY_DECODERS.get(name)
+    params = inspect.signature(cls).parameters
+    try:
+        return cls(**({"gpu_id": gpu_id} if "gpu_id" in params else {}))
+    except ImportError as exc:
+        raise Unsupported(f"entropy decoder {name} unavailable: {exc}") from None

@@ -26,6 +26,12 @@ self-test. Only the first chunk of each (profile, planes shape) is still hashed 
 copy): the self-test's streams have one frame size, and NVDEC reconfigures per size. Host planes
 (PyAV, NVDEC's host mode) and profiles with no reference stream keep the digest check. Without
 ``selftest``, each scheme's coder makes its own decoder, as before.
+
+Entropy-coded rungs (``zstd`` payloads: int8-zstd, kvtc-w, ...) decode with the entropy decoder
+named by ``entropy`` (``bitstream.decoders.ENTROPY_DECODERS``: ``cpu``, the default; ``nvcomp`` on a
+GPU, planes as a tensor on it; ``auto``: nvCOMP where it opens), made once; a named decoder that
+cannot be made raises ``Unsupported`` here, at start-up. Its planes are always checked against the
+digest (the GPU's copied to the host for it): nvCOMP has no self-test of its own.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 import numpy as np
 
 from ..bitstream import BitstreamCoder
+from ..bitstream.decoders import open_entropy_decoder
 from ..bitstream.host import host_array
 from ..bitstream.profiles import stream_profile
 from ..bitstream.verified import VerifiedDecoders
@@ -75,18 +82,20 @@ class ChunkDecoder:
 
     def __init__(self, model_id: str, *, auth: ChunkAuth, decoder: str = "pyav", threads: int = 1,
                  geometry: Optional[Geometry] = None, selftest: bool = False, gpu_id: int = 0,
-                 device_output: bool = False, isolate: bool = False, decode_timeout_s: float = 30.0) -> None:
+                 device_output: bool = False, isolate: bool = False, decode_timeout_s: float = 30.0,
+                 entropy: str = "cpu") -> None:
         """``geometry``: the KV geometry of one chunk of this model (its card's, at the chunk size);
         a chunk of another geometry is foreign, refused before anything is allocated for it.
         ``selftest``: one HEVC decoder, self-tested now (see the module's docstring); ``gpu_id``
         and ``device_output`` (which implies ``selftest``) are NVDEC's; ``isolate`` and
         ``decode_timeout_s``: the self-tested PyAV decoder runs in a process of its own, each chunk
-        within the deadline (``bitstream.isolated``)."""
+        within the deadline (``bitstream.isolated``); ``entropy``: the zstd payloads' decoder (above)."""
         self.model_id = model_id
         self.auth = auth
         self.geometry = geometry
         self._runtime = {"decoder": decoder, "threads": threads}
         self._codecs: Dict[str, BitstreamCoder] = {}
+        self._entropy = None if entropy == "cpu" else open_entropy_decoder(entropy, gpu_id=gpu_id)  # first: may raise
         self._video: Optional[VerifiedDecoders] = None
         if selftest or device_output:
             self._video = VerifiedDecoders(decoder, threads=threads, gpu_id=gpu_id, device_output=device_output,
@@ -135,6 +144,8 @@ class ChunkDecoder:
         trust = None  # (profile, shape) of planes a verified decoder left on the device
         if self._video is not None and coder.name == "hevc":
             planes, trust = self._decode_video(coder, header, chunk.sections[PAYLOAD])
+        elif self._entropy is not None and coder.name == "zstd":
+            planes = coder.decode_with(self._entropy, chunk.sections[PAYLOAD], header.planes_shape)
         else:
             planes = coder.decode(chunk.sections[PAYLOAD], header.planes_shape)
         if _dtype_name(planes) != header.planes_dtype.name or tuple(planes.shape) != tuple(header.planes_shape):
@@ -168,6 +179,8 @@ class ChunkDecoder:
         self._codecs.clear()
         if self._video is not None:
             self._video.close()
+        if self._entropy is not None:
+            self._entropy.close()
 
 
 def _dtype_name(planes: Any) -> str:
