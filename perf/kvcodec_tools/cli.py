@@ -509,13 +509,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="codec profiles (the per-model transform of transform-zstd)")
     prof = p.add_subparsers(dest="profile", required=True)
-    p = prof.add_parser("fit", help="fit the PCA profile on the fit texts (outside the eval set); with --model, "
-                                    "weighed too and cached for that model")
+    p = prof.add_parser("fit", help="fit the PCA profile on the fit texts (outside the eval set) and weigh it; "
+                                    "with --model, cached for that model")
     common(p)
     p.add_argument("--out", help="default: backends/kvcodec/profiles/<the model card's profile>.npz; with --model, "
                                  "<model cache>/profiles/<the model card's profile>.npz")
     p.add_argument("--weigh", action=argparse.BooleanOptionalAction, default=None,
-                   help="add the sensitivity weights (video and kvtc-w need them; default: on with --model)")
+                   help="add the sensitivity weights (video and kvtc-w need them; default on)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of each fit text")
     p.set_defaults(func=cmd_profile_fit)
     p = prof.add_parser("weigh", help="add sensitivity weights (where the model looks) to a fitted profile")

@@ -1,9 +1,10 @@
 """``kvcodec profile fit``: fit a model's codec profile (the PCA basis of the transform layouts)
 on the fit texts, which share no file with the eval set (``kvcodec_tools.quality.evalset``).
 
-For a model folder (``--model DIR``) it also weighs the profile (``kvcodec profile weigh``'s
-sensitivity weights, which ``video`` and ``kvtc-w`` need) and saves it where the model's card
-looks for it, ``<model_cache>/profiles/<profile>.npz`` (``kvcodec.engines.model_files``). The
+It also weighs the profile (``kvcodec profile weigh``'s sensitivity weights, which ``video`` and
+``kvtc-w`` need; ``weigh=False``: the PCA only) and saves it where the model's card looks for it:
+for a model folder (``--model DIR``) ``<model_cache>/profiles/<profile>.npz``
+(``kvcodec.engines.model_files``), for the embedded model the shipped file. The
 profile is the model's, not the engine's: it is fitted on the reference engine (``transformers``)
 and serves both.
 """
@@ -19,7 +20,7 @@ from typing import Optional
 def fit_codec_profile(settings, tokens: int, out: Optional[Path] = None, weigh: Optional[bool] = None) -> dict:
     """Prefill each fit text (its first ``tokens`` tokens), fit the profile, save it (default: the
     shipped profile the embedded model's card names, or a model folder's cached profile), weigh it
-    if ``weigh`` (default: for a model folder) and return a summary with the times taken."""
+    unless ``weigh`` is False, and return a summary with the times taken."""
     from kvcodec.engines import model_files, open_engine
     from kvcodec.profiles import HERE, fit_profile, read_profile, save_profile
     from kvcodec_tools.quality import evalset
@@ -28,7 +29,7 @@ def fit_codec_profile(settings, tokens: int, out: Optional[Path] = None, weigh: 
     settings = replace(settings, engine="transformers")
     engine = open_engine(settings)
     folder = settings.model is not None and engine.card.codec_profile != model_files.CODEC_PROFILE
-    weigh = folder if weigh is None else weigh
+    weigh = True if weigh is None else weigh
     if out is None:
         out = (model_files.profile_path(settings.model_cache, engine.card.codec_profile) if folder
                else HERE / f"{engine.card.codec_profile}.npz")
