@@ -6,8 +6,6 @@ Each pool layout is checked against raw memory arithmetic written here, independ
 from __future__ import annotations
 
 import threading
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -18,17 +16,10 @@ from kvcodec.connector import (
     RequestLoad,
     WriteBack,
     chunks_to_save,
-    fetcher_tokens,
     matched_tokens,
-    prompt_keys,
     stored_prefix,
-    stored_tokens,
-    stored_tokens_for,
 )
 from kvcodec.errors import Unsupported
-from kvcodec.format.ladder import parse_ladder
-from kvcodec.serving.fetch import Fetcher
-from kvcodec.store import open_store
 
 torch.set_num_threads(1)
 
@@ -280,26 +271,3 @@ def test_writeback_drops_when_full_counts_failures_and_flushes():
 
 
 # -- lookup ----------------------------------------------------------------------------------
-def test_lookup_follows_the_fetchers_plan():
-    store = open_store(f"memory://connector-{uuid.uuid4().hex}")
-    ladder = parse_ladder(["raw", "int8-zstd"])
-    ids = list(range(1100))  # 4 full chunks; at most 4 reusable (1100 - 1) // 256
-    raw, q8 = (prompt_keys("m", s, ids, CHUNK) for s in ladder)
-    assert len(raw) == 4 and raw[0] != q8[0]
-    for key in raw[:2] + q8[:1] + q8[2:3]:
-        store.put(key, b"x")
-    assert stored_tokens(store, raw, CHUNK) == 512 and stored_tokens(store, q8, CHUNK) == 256
-    assert stored_tokens_for(store, "m", ladder, ids, CHUNK) == 512
-    assert stored_tokens_for(store, "other-model", ladder, ids, CHUNK) == 0
-    fetcher = Fetcher(store, "m", ["raw", "int8-zstd"], CHUNK)
-    pool = ThreadPoolExecutor(4)
-    try:
-        assert fetcher_tokens(fetcher, ids) == 512
-        for key in q8[1:2] + q8[3:]:
-            store.put(key, b"x")
-        assert stored_tokens_for(store, "m", ladder, ids, CHUNK, pool=pool) == 1024
-        assert fetcher_tokens(fetcher, ids) == 1024
-        assert stored_tokens_for(store, "m", ladder, ids[:1024], CHUNK) == 768  # one token left to compute
-    finally:
-        fetcher.close()
-        pool.shutdown()

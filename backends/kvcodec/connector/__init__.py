@@ -18,11 +18,11 @@ shapes:
   (``chunks_to_save``) are complete in its blocks; ``KVPages.read`` copies them out; ``ChunkSaver``
   encodes, signs and puts them (ingest uses it too), run off the request's path by ``WriteBack``,
   which drops (and counts) jobs when it falls behind;
-- lookup (``lookup``): the store's answer for a prompt without fetching (``exists`` only).
+- lookup is the fetcher's (``serving.fetch.Fetcher.plan``): the ensemble's kv_fetch answers it, and
+  a connector that reads the store itself (TensorRT-LLM's stock deployment) plans with a ``Fetcher``.
 """
 from .handoff import HandOff, prompt_key
 from .load import RequestLoad
-from .lookup import fetcher_tokens, prompt_keys, stored_tokens, stored_tokens_for
 from .pages import LAYOUTS, KVPages
 from .plan import chunks_to_save, matched_tokens, stored_prefix
 from .save import ChunkSaver, SaveJob, SaveTracker
@@ -40,11 +40,7 @@ __all__ = [
     "SaveTracker",
     "WriteBack",
     "chunks_to_save",
-    "fetcher_tokens",
     "matched_tokens",
     "prompt_key",
-    "prompt_keys",
     "stored_prefix",
-    "stored_tokens",
-    "stored_tokens_for",
 ]
