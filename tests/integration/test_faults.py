@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcodec.serving.costs import CostModel
 from kvcodec_client import ClientError, KVCodecClient
 from kvcodec_tools.ports import free_ports
 from kvcodec_tools.procs import alive
@@ -170,8 +171,9 @@ def test_a_store_fault_falls_back_to_prefill_within_the_deadline(faulty, mode, c
     assert reason in result.stats["miss_reason"], result.stats["miss_reason"]
     # the store's part ends at the deadline; the rest is the prompt's prefill (which took prefill.ttft_s)
     assert took < FETCH_TIMEOUT_S + 3 * prefill.ttft_s + 5, took
-    healthy = client.generate(ids, 2, reuse=True)  # the server is fine afterwards
-    assert healthy.reused_tokens == 768
+    # the server is fine afterwards, and reuse is back within two requests (the store's breaker,
+    # opened by the fault, lets it back after one probe)
+    assert reused_within_two(client, ids, 2) == 768
 
 
 def test_metrics_count_the_fallbacks_by_reason_and_time_the_stages(faulty):
@@ -200,9 +202,11 @@ def test_metrics_count_the_fallbacks_by_reason_and_time_the_stages(faulty):
 @pytest.mark.timeout(600)
 def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, tokenizer, tmp_path):
     """A real redis-server as the store, the context ingested into it: paused (SIGSTOP: it accepts
-    connections and never answers), each request gives the prefill tokens within the fetch deadline
-    plus its prefill, and reuse comes back once it runs again; stopped (connection refused), the
-    same answer at once; the server stays healthy throughout."""
+    connections and never answers), the request gives the prefill tokens within prefill's TTFT +
+    max(2 s, the predicted prefill of the stored prefix), and reuse comes back within two requests
+    once it runs again; stopped (connection refused), the same answer at once (prefill's TTFT);
+    the server stays healthy throughout. TTFT margin for the noisy machine: a quarter of prefill's
+    TTFT plus 1 s."""
     from kvcodec_tools.services.redis import RedisServer
 
     redis = RedisServer(tmp_path / "redis", "127.0.0.1", free_ports(1)[0], "faults-pw").start()
@@ -232,13 +236,25 @@ def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, 
                 assert result.tokens == prefill.tokens and result.reused_tokens == 0, fault
                 assert result.stats["miss_reason"], fault
                 assert took < FETCH_TIMEOUT_S + 3 * prefill.ttft_s + 5, (fault, took)
+                fault_s = max(2.0, CostModel(settings.home / "costs.json").prefill_s_per_token * 768)
+                margin = 0.25 * prefill.ttft_s + 1.0
+                assert result.ttft_s <= prefill.ttft_s + (fault_s if fault == "paused" else 0) + margin, \
+                    (fault, result.ttft_s, prefill.ttft_s, fault_s)
                 if fault == "paused":  # running again: the stored chunks are reused again
-                    assert client.generate(ids, 4, reuse=True).reused_tokens == 768
+                    assert reused_within_two(client, ids) == 768
             print(f"redis faults: {seen}")
             assert "timed out" in seen["paused"][1] and "unreachable" in seen["stopped"][1]
             assert client.generate(ids, 2, reuse=False).tokens == prefill.tokens[:2]  # still healthy
     finally:
         redis.stop()
+
+
+def reused_within_two(client, ids, max_tokens: int = 4) -> int:
+    """Tokens reused by the first of the next two requests that reuses all 768, else by the second."""
+    first = client.generate(ids, max_tokens, reuse=True)
+    return first.reused_tokens if first.reused_tokens == 768 else client.generate(ids, max_tokens,
+                                                                                 reuse=True).reused_tokens
+
 
 # -- the server's own faults ---------------------------------------------------------------------
 KILL_DEADLINE_S = 60.0  # a request whose stub is killed must end by then
