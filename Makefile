@@ -71,6 +71,12 @@ integration: setup
 s3-store: setup
 	$(BIN)/python -m kvcodec_tools.services.seaweedfs --dir .cache/s3
 
+# Chunk GET throughput, S3 (SeaweedFS) vs HTTP (nginx), behind one 1000 Mbit/s link and on
+# loopback (perf/kvcodec_tools/store_get.py): perf/results/store_get.json.
+.PHONY: bench-store-get
+bench-store-get: setup
+	$(BIN)/python -m kvcodec_tools.store_get --rate-mbit 1000 --json perf/results/store_get.json
+
 # The TTFT sweep of the TTFT issue (root: network namespaces + tc; else the userspace shaper), then
 # the same with the vLLM engine (its venv), then the concurrency benchmark of both engines.
 bench: setup

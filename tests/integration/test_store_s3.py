@@ -185,3 +185,15 @@ def test_a_stopped_or_hung_server_is_store_unavailable_within_the_timeout(tmp_pa
         s.put(KEY, b"x")
     assert time.monotonic() - t0 < 5
     s.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_get_throughput_bench_runs_and_checks_bytes(monkeypatch):
+    from kvcodec_tools import store_get
+
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    report = store_get.run(0, 0, "auto", objects=3, object_mb=0.5, threads=[1, 2], rounds=1)
+    assert set(report["results"]) == {"nginx (http)", "seaweedfs (s3)"}
+    for rows in report["results"].values():
+        assert [r["threads"] for r in rows] == [1, 2] and all(r["mb_per_s"] > 0 and r["gets"] == 3 for r in rows)
