@@ -147,7 +147,10 @@ class SeaweedS3:
 def serve(root: Path, host: str, access_key: Optional[str], secret_key: Optional[str], bucket: str,
           base_port: Optional[int]) -> int:
     """Run in the foreground until interrupted (``make s3-store``), printing how to reach it."""
+    import signal
+
     srv = SeaweedS3(root, host, access_key, secret_key, bucket, base_port=base_port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped like Ctrl-C: weed goes too
     srv.start()
     print(f"SeaweedFS S3 store {srv.url} at {srv.endpoint} (pid {srv.pid}, data in {srv.run_dir}); "
           "Ctrl-C stops it. Clients need:", flush=True)
