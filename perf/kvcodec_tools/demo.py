@@ -4,7 +4,11 @@
    just over 1300 tokens, ``kvcodec_tools.texts``), ingests it at ``DEMO_RUNG`` (int8-zstd: the 8-bit
    values, losslessly, passes the quality gate; ``--codec`` picks another, e.g. ``raw`` with the
    vLLM engine: its own KV, exactly) into the store, with the chosen engine (``--engine``);
-2. starts tritonserver on the model repository;
+2. starts tritonserver on the model repository, on free ports, with a ladder of that one rung,
+   write-back off and adaptive off: the demo's server reads exactly what the demo ingested and
+   writes nothing, so a second run on the same store reuses the same chunks (chunks that another
+   server wrote back at another rung, kvtc-w for instance, are never chosen over them) and the
+   cost model, learning across runs, cannot turn reuse into recompute;
 3. asks the same prompt (that context plus a question) over gRPC once with full prefill and once
    with KV reuse, 16 tokens each;
 4. prints a table, writes the JSON and stops the server. Exits non-zero if the reuse run did not
@@ -14,9 +18,14 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
 from .texts import cut_to_tokens, stdlib_path
+
+if TYPE_CHECKING:
+    from .tritonserver import Ports
 
 CONTEXT_SOURCE = stdlib_path("json/decoder.py")
 CONTEXT_TOKENS = 1300
@@ -32,16 +41,29 @@ def demo_texts(tokenizer, target_tokens: int = CONTEXT_TOKENS):
     return context, context + QUESTION
 
 
-def run_demo(settings, json_path: Path, repository: Path, rung: str = DEMO_RUNG) -> int:
+def demo_settings(settings, rung: str):
+    """The demo server's settings: ``settings`` with a ladder of the one rung the demo ingests,
+    write-back off and adaptive off (see the module docstring)."""
+    return replace(settings, ladder=(rung,), writeback=(), adaptive=False)
+
+
+def run_demo(settings, json_path: Path, repository: Path, rung: str = DEMO_RUNG,
+             context_tokens: int = CONTEXT_TOKENS, ports: Optional[Ports] = None) -> int:
+    """The demo; 0 when the reuse run reused and gave the prefill run's tokens. ``ports``: the
+    server's (default: three free ones)."""
     from tqdm import tqdm
 
     from kvcodec.engines import open_engine
+    from kvcodec.format.ladder import parse_ladder
     from kvcodec.ingest import ingest_rungs
     from kvcodec_client.client import KVCodecClient
-    from kvcodec_tools.tritonserver import TritonServer
+    from kvcodec_tools.ports import free_ports
+    from kvcodec_tools.tritonserver import Ports, TritonServer
 
+    parse_ladder([rung])  # a bad rung fails before the model loads
+    settings = demo_settings(settings, rung)
     engine = open_engine(settings)
-    context, prompt = demo_texts(engine.tokenizer)
+    context, prompt = demo_texts(engine.tokenizer, context_tokens)
     work = settings.home / "demo"
     work.mkdir(parents=True, exist_ok=True)
     (work / "context.txt").write_text(context)
@@ -59,7 +81,7 @@ def run_demo(settings, json_path: Path, repository: Path, rung: str = DEMO_RUNG)
 
     print("starting tritonserver ...", flush=True)
     t0 = time.perf_counter()
-    with TritonServer(repository, settings) as server:
+    with TritonServer(repository, settings, ports or Ports(*free_ports(3))) as server:
         print(f"ready in {time.perf_counter() - t0:.1f} s", flush=True)
         client = KVCodecClient(server.grpc_url, "grpc")
         client.generate(prompt_ids[:32], 2, reuse=False)  # warm-up: first calls pay one-time costs
