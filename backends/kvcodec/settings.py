@@ -26,6 +26,9 @@ name the field and the value.
 | decoder_process | KVCODEC_DECODER_PROCESS | 1: kv_decode runs PyAV in a process of its own (a crash is a miss; ``kvcodec.bitstream.isolated``) |
 | decode_timeout_s | KVCODEC_DECODE_TIMEOUT_S | 30: that process's deadline per chunk (killed after it: a miss) |
 | store_ca_file | KVCODEC_STORE_CA_FILE  | empty: the system CAs; else a PEM CA bundle that ``https://`` and ``rediss://`` stores verify against |
+| stream_loads  | KVCODEC_STREAM_LOADS   | 1: an engine that can (vLLM, TensorRT-LLM) takes a request at its first chunk (0: after the last) |
+| step_tokens   | KVCODEC_STEP_TOKENS    | 0: the engine's own token budget per step (vLLM ``max_num_batched_tokens``) (5) |
+| prefill_slice | KVCODEC_PREFILL_SLICE  | 0: off; else at most this many tokens of one long prefill per step (vLLM ``long_prefill_token_threshold``) (5) |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
@@ -33,6 +36,9 @@ name, is still read from the environment.
 engines that save (``vllm``: ``kvcodec.connector.WriteBack``).
 (2) made on first use, mode 0600; ``KVCODEC_CHUNK_KEY`` (the key, hex) takes its place
 (``kvcodec.format.auth``).
+(5) scheduling levers of a batching engine: smaller steps and sliced prefills let a reuse request's
+few tokens to compute start at the next step instead of waiting behind other requests' prefills
+(``perf/results/README.md``, "Reuse under load").
 (4) a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files) of a Llama-family
 model (``kvcodec.engines.model_files.ARCHITECTURES``); its identity, KV geometry and tokenizer come
 from the folder, its codec profile is fitted with ``kvcodec profile fit --model DIR``.
@@ -73,6 +79,9 @@ class Settings:
     decode_timeout_s: float = 30.0  # that process's deadline per chunk
     model: Optional[Path] = None  # a Hugging Face model folder (None: the embedded SmolLM2-135M-Instruct)
     store_ca_file: str = ""  # a PEM CA bundle for TLS stores ("": the system CAs)
+    stream_loads: bool = True  # a streaming engine takes a request at its first chunk
+    step_tokens: int = 0  # the engine's token budget per step (0: its own default)
+    prefill_slice: int = 0  # at most this many tokens of one long prefill per step (0: off)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -123,6 +132,9 @@ class Settings:
             store_ca_file = str(Path(store_ca_file).expanduser().resolve())
             if not Path(store_ca_file).is_file():
                 raise ConfigError(f"store_ca_file must be a PEM CA bundle file, got {raw('store_ca_file')!r}")
+        stream_loads = _bool("stream_loads", raw("stream_loads") or "1")
+        step_tokens = _int("step_tokens", raw("step_tokens") or "0", minimum=0)
+        prefill_slice = _int("prefill_slice", raw("prefill_slice") or "0", minimum=0)
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -130,7 +142,8 @@ class Settings:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
                    adaptive, link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
-                   ingest_workers, decoder_process, decode_timeout_s, model=model, store_ca_file=store_ca_file)
+                   ingest_workers, decoder_process, decode_timeout_s, model=model, store_ca_file=store_ca_file,
+                   stream_loads=stream_loads, step_tokens=step_tokens, prefill_slice=prefill_slice)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -154,6 +167,9 @@ class Settings:
             "KVCODEC_DECODE_TIMEOUT_S": repr(self.decode_timeout_s),
             "KVCODEC_MODEL": str(self.model or ""),
             "KVCODEC_STORE_CA_FILE": self.store_ca_file,
+            "KVCODEC_STREAM_LOADS": "1" if self.stream_loads else "0",
+            "KVCODEC_STEP_TOKENS": str(self.step_tokens),
+            "KVCODEC_PREFILL_SLICE": str(self.prefill_slice),
         }
 
 

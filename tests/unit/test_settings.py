@@ -80,7 +80,10 @@ def test_unknown_key_raises_naming_it():
     ("decoder", "PYAV", "'PYAV'"),
     ("ladder", "lossless8,h266", "ladder: codec 'h266' is unknown"),
     ("ladder", "LOSSLESS8", "'LOSSLESS8'"),
-    ("engine", "tensorrt", "engine must be one of transformers, vllm, got 'tensorrt'"),
+    ("engine", "tensorrt", "engine must be one of transformers, trtllm, vllm, got 'tensorrt'"),
+    ("step_tokens", "-1", "step_tokens must be >= 0"),
+    ("prefill_slice", "x", "prefill_slice must be an integer"),
+    ("stream_loads", "maybe", "stream_loads must be 0 or 1"),
 ])
 def test_bad_values_raise_config_error_naming_field_and_value(name, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -123,11 +126,21 @@ def test_environ_round_trips_through_load(tmp_path):
     assert set(env) == {f"KVCODEC_{n}" for n in
                         ("HOME", "STORE", "MODEL_CACHE", "LADDER", "CHUNK_TOKENS", "THREADS", "DECODER",
                          "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE", "KEY_FILE", "FETCH_TIMEOUT_S", "WRITEBACK",
-                         "INGEST_WORKERS", "DECODER_PROCESS", "DECODE_TIMEOUT_S", "MODEL", "STORE_CA_FILE")}
+                         "INGEST_WORKERS", "DECODER_PROCESS", "DECODE_TIMEOUT_S", "MODEL", "STORE_CA_FILE",
+                         "STREAM_LOADS", "STEP_TOKENS", "PREFILL_SLICE")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})
     assert Settings.load(env=defaults.environ()) == defaults
+
+
+def test_scheduling_levers_reach_vllms_engine_arguments():
+    from kvcodec.engines.vllm_engine import _scheduling
+
+    s = Settings.load({"step_tokens": "512", "prefill_slice": "128", "stream_loads": "0"}, env={})
+    assert (s.step_tokens, s.prefill_slice, s.stream_loads) == (512, 128, False)
+    assert _scheduling(s) == {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 128}
+    assert _scheduling(Settings.load(env={})) == {}  # vLLM's own defaults
 
 
 def test_settings_are_frozen(tmp_path):

@@ -74,6 +74,16 @@ def _utf8_locale() -> None:
     log.warning("no UTF-8 locale: importing vLLM may fail to read its templates")
 
 
+def _scheduling(settings) -> dict:
+    """vLLM's scheduling levers from the settings (``step_tokens``, ``prefill_slice``; 0: vLLM's own)."""
+    out = {}
+    if settings.step_tokens:
+        out["max_num_batched_tokens"] = settings.step_tokens
+    if settings.prefill_slice:
+        out["long_prefill_token_threshold"] = settings.prefill_slice
+    return out
+
+
 def _device_dtype() -> str:
     import torch
 
@@ -119,6 +129,7 @@ class VllmEngine(model_files.EngineFiles):
             model=str(files.path), dtype=self.card.kv_dtype, enforce_eager=True, max_model_len=self.card.max_context,
             seed=0, enable_prefix_caching=False,  # the store is the prefix cache: every reuse is measured
             disable_log_stats=True, max_logprobs=-1,  # continuation_logprobs asks for the whole vocabulary
+            **_scheduling(settings),
             kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
                                                 kv_connector_module_path="kvcodec.engines.vllm_connector",
                                                 # a chunk that fails after its tokens were promised:

@@ -58,7 +58,7 @@ class TritonPythonModel:
         self.engine = open_engine(self.settings)
         self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)
         self.assembler = Assembler()
-        self.streams = bool(getattr(self.engine, "streams_loads", False))
+        self.streams = bool(getattr(self.engine, "streams_loads", False)) and self.settings.stream_loads
         self.metrics = _Metrics()
         self.pb_lock = threading.Lock()  # one thread at a time in pb_utils (see the module's docstring)
         self.workers = ThreadPoolExecutor(max_workers=max(1, int(getattr(self.engine, "max_concurrency", 1))),
