@@ -14,6 +14,7 @@ tritonserver launcher, bench, demo, rd, eval). Imports go one way: tools -> clie
     kvcodec demo     [--json perf/results/demo.json]
     kvcodec bench ttft --bandwidth-mbps 100,1000,10000 --context-tokens 1024,4096 --methods LIST --json FILE
     kvcodec bench concurrency [--engine E] --clients 1,4,8 --requests 4 [--json perf/results/concurrency.json]
+    kvcodec bench load --engine vllm --bandwidth-mbps 100 --clients 1,4,8 --variants wait,stream,stream-sliced
     kvcodec repository --variant cpu|gpu|trtllm|trtllm-llmapi --out DIR [--gpus 0] [--store URL] [--ladder RUNGS]
     kvcodec soak     [--engine E] --clients 8 --duration-s 300 --protocols grpc,http [--json perf/results/reliability.json]
     kvcodec store usage --store URL [--json];  kvcodec store gc --store URL --max-bytes N [--older-than D]
@@ -56,10 +57,69 @@ def _read_text(path: str) -> str:
     return text
 
 
+def _unreachable(url: str, timeout_s: float = 5.0) -> str:
+    """Why nothing accepts a connection at ``url`` (``HOST:PORT``), or "" when something does."""
+    import socket
+
+    host, _, port = url.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            return ""
+    except ValueError:
+        return f"not a HOST:PORT address: {url!r}"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+
+
+def _probe_store(settings) -> None:
+    """One look-up in the settings' store, before any model is loaded: exits with one line when
+    the store does not answer."""
+    from kvcodec.errors import StoreUnavailable
+    from kvcodec.store import open_store
+
+    try:
+        with open_store(settings.store, settings.store_ca_file or None) as store:
+            store.exists("kvcodec/probe")
+    except StoreUnavailable as exc:
+        raise SystemExit(f"kvcodec ingest: {exc}; start the store or pass --store") from None
+
+
+# Engines that need a package a venv may lack: (module, where that engine runs).
+ENGINE_HOMES = {
+    "vllm": ("vllm", f"the vLLM venv: {REPO_ROOT / '.venv-vllm' / 'bin' / 'kvcodec'} (make setup-vllm builds it)"),
+    "trtllm": ("tensorrt_llm", "TensorRT-LLM's container (docs/deploy-trtllm.md)"),
+}
+# Commands that only send token ids (the engine's tokenizer needs no engine package) or load no model.
+NO_ENGINE_COMMANDS = frozenset({"generate", "repository"})
+
+
+def _engine_missing(args) -> str:
+    """One line when the chosen engine's package is not in this Python (a wrong venv), else ""."""
+    import importlib.util
+    import os
+
+    engine = getattr(args, "engine", None) or os.environ.get("KVCODEC_ENGINE") or "transformers"
+    if args.command in NO_ENGINE_COMMANDS or engine not in ENGINE_HOMES:
+        return ""
+    module, home = ENGINE_HOMES[engine]
+    if importlib.util.find_spec(module) is not None:
+        return ""
+    return (f"the {engine} engine needs {module}, which this Python ({sys.prefix}) lacks; "
+            f"run this command from {home}")
+
+
 def cmd_serve(args) -> int:
     from kvcodec import engines
+    from kvcodec_tools.ports import port_is_free
     from kvcodec_tools.tritonserver import Ports, TritonServer
 
+    busy = [f"{port} (--{name}-port)" for name, port in (("http", args.http_port), ("grpc", args.grpc_port),
+                                                         ("metrics", args.metrics_port))
+            if not port_is_free(args.host, port)]
+    if busy:
+        print(f"kvcodec serve: port {', '.join(busy)} on {args.host} is in use (another kvcodec serve?): "
+              "stop what holds it or pass other ports", file=sys.stderr)
+        return 1
     settings = _settings(args)
     engines.prepare(settings)
     _warn_unfitted(settings)
@@ -150,6 +210,7 @@ def cmd_ingest(args) -> int:
     schemes = parse_ladder(codec, model_card(settings))  # bad names fail before the model loads
     require_profiles(schemes)  # so does a rung whose codec profile is not fitted for this model
     text = _read_text(args.text_file)
+    _probe_store(settings)  # and a store that does not answer
     engine = open_engine(settings)
     ids = engine.tokenize(text)
     n_chunks = len(ids) // settings.chunk_tokens
@@ -181,8 +242,13 @@ def cmd_generate(args) -> int:
     from kvcodec_client.client import ClientError, KVCodecClient
 
     settings = _settings(args)
-    ids = tokenizer(settings).encode(_read_text(args.text_file))
     client = KVCodecClient(args.url, args.protocol, fallback_s=args.fallback_s)
+    unreachable = _unreachable(client.url)
+    if unreachable:
+        print(f"kvcodec generate: no server at {client.url} ({args.protocol}: {unreachable}); start one with "
+              f"`kvcodec serve`, or pass --url", file=sys.stderr)
+        return 1
+    ids = tokenizer(settings).encode(_read_text(args.text_file))
     try:
         result = client.generate(ids, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs)
     except (ClientError, ConnectionError, OSError) as exc:
@@ -309,6 +375,20 @@ def cmd_bench_concurrency(args) -> int:
         raise SystemExit(f"kvcodec bench concurrency: {exc}") from None
     return run_concurrency(_settings(args), Path(args.model_repository), config, Path(args.json),
                            Path(args.plot) if args.plot else None)
+
+
+def cmd_bench_load(args) -> int:
+    from kvcodec_tools.loadbench import LoadConfig, run_load
+
+    try:
+        config = LoadConfig(args.clients, args.variants, bandwidth_mbps=args.bandwidth_mbps, requests=args.requests,
+                            context_tokens=args.context_tokens, contexts=args.contexts, max_tokens=args.max_tokens,
+                            rung=args.rung, link_mode=args.link_mode,
+                            threads=args.threads if args.threads is not None else 2)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec bench load: {exc}") from None
+    return run_load(_settings(args), Path(args.model_repository), config, Path(args.json),
+                    Path(args.plot) if args.plot else None)
 
 
 def cmd_soak(args) -> int:
@@ -445,6 +525,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_bench_concurrency)
 
+    p = bench.add_parser("load", help="reuse under load: TTFT of reuse and prefill requests in flight together "
+                                      "through a shaped link, variants of the load path side by side")
+    common(p)
+    p.add_argument("--clients", type=_list(int), default=[1, 4, 8])
+    p.add_argument("--variants", type=_list(str), default=["wait", "stream", "stream-sliced"],
+                   help="wait (the llm step waits for every chunk), stream, stream-sliced (smaller vLLM steps)")
+    p.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
+    p.add_argument("--requests", type=int, default=4, help="requests per client, alternating reuse and prefill")
+    p.add_argument("--context-tokens", type=int, default=1024)
+    p.add_argument("--contexts", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--rung", default="int8-zstd")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reuse_under_load.json"))
+    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "reuse_under_load.png"))
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_bench_load)
+
     p = sub.add_parser("soak", help="concurrent clients for a while (gRPC and HTTP, reuse and prefill), every answer "
                                     "checked, the server's RSS, fds, shm and processes sampled; exits 1 on an "
                                     "error or growth")
@@ -543,6 +641,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from kvcodec.errors import KVCodecError
 
+    missing = _engine_missing(args)
+    if missing:
+        print(f"kvcodec {args.command}: {missing}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except KVCodecError as exc:

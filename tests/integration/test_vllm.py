@@ -84,6 +84,7 @@ def test_raw_reuse_into_paged_cache_gives_the_engines_own_tokens(vsettings, cont
     assert result.reused_tokens == 512 and result.stats["scheme"] == "raw"
     assert result.stats["computed_tokens"] == len(ids) - 512
     assert result.stats["engine"]["load_s"] > 0  # the connector wrote the blocks
+    assert result.stats["engine"]["promised_tokens"] == 512  # the load session's count, told vLLM at once
     assert result.tokens == prefill.tokens and result.text == prefill.text
 
 
@@ -135,14 +136,20 @@ def test_concurrent_requests_are_batched_and_each_answer_is_its_own(context_raw,
     others = [tokenizer.encode(text_of(tokenizer, name, 120) + QUESTION) for name in ("glob.py", "bisect.py")]
     alone = [grpc.generate(o, MAX_TOKENS, reuse=False).tokens for o in others]
     jobs = [(ids, True), (others[0], False), (ids, True), (others[1], False)]
-    t = time.perf_counter()
+
+    def timed(job):
+        start = time.monotonic()
+        result = grpc.generate(job[0], MAX_TOKENS, reuse=job[1])
+        return result, (start + result.ttft_s, start + result.total_s)  # when its tokens came
+
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda job: grpc.generate(job[0], MAX_TOKENS, reuse=job[1]), jobs))
-    wall = time.perf_counter() - t
+        results, spans = zip(*pool.map(timed, jobs), strict=True)
     assert [r.tokens for r in results] == [prefill.tokens, alone[0], prefill.tokens, alone[1]]
     assert results[0].reused_tokens == 512 and results[1].reused_tokens == 0
-    # batched: the four together take less than the sum of their own times
-    assert wall < sum(r.total_s for r in results)
+    # batched: the two prefill requests' tokens came in the same stretch of time. An engine that ran
+    # requests one after another would finish one before the other's first token.
+    (first_a, last_a), (first_b, last_b) = spans[1], spans[3]
+    assert first_a < last_b and first_b < last_a, spans
 
 
 def test_eval_scores_a_codec_on_vllms_own_logits(vsettings, tokenizer, tmp_path):
