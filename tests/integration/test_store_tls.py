@@ -19,6 +19,7 @@ from kvcodec.store.http import HttpStore
 from kvcodec_tools.ports import free_port
 from kvcodec_tools.services.nginx import NginxStore
 from kvcodec_tools.services.redis import RedisServer
+from kvcodec_tools.services.seaweedfs import SeaweedS3
 
 pytestmark = pytest.mark.integration
 
@@ -105,11 +106,33 @@ def test_rediss_store_verifies_the_server_against_the_ca_bundle(pki, tmp_path):
                 plain.get(KEY)
 
 
+@pytest.mark.timeout(90)
+def test_s3_over_https_verifies_the_server_against_the_ca_bundle(pki, tmp_path, monkeypatch):
+    srv = SeaweedS3(tmp_path, "127.0.0.1", "tls-key-0001", "tls-secret-000000001", bucket="kvtls",
+                    tls=(pki["cert"], pki["key"]))
+    with srv:
+        for name in [n for n in os.environ if n.startswith("AWS_")]:
+            monkeypatch.delenv(name)
+        for name, value in srv.environ().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", srv.https_endpoint)
+        with open_store(srv.url, ca_file=str(pki["ca"])) as s:
+            assert s.endpoint.startswith("https://")
+            s.put(KEY, b"over TLS")
+            assert s.get(KEY) == b"over TLS" and s.get_range(KEY, 5, 8) == b"TLS"
+        monkeypatch.setenv("KVCODEC_STORE_CA_FILE", str(pki["other"]))
+        with open_store(srv.url + "?attempts=1") as wrong:  # the CA bundle from the setting's variable
+            with pytest.raises(StoreUnavailable, match=r"TLS certificate not accepted against .*some-other-ca"):
+                wrong.get(KEY)
+
+
 def test_a_ca_bundle_that_is_not_there_is_a_config_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="CA bundle"):
         HttpStore("https://127.0.0.1:1/kv", ca_file=str(tmp_path / "missing.pem"))
     with pytest.raises(ConfigError, match="CA bundle"):
         open_store("rediss://:pw@127.0.0.1:1/0", ca_file=str(tmp_path / "missing.pem"))
+    with pytest.raises(ConfigError, match="CA bundle"):
+        open_store("s3://bucket/kv", ca_file=str(tmp_path / "missing.pem"))
     with pytest.raises(ConfigError, match="store_ca_file"):
         Settings.load({"store_ca_file": str(tmp_path / "missing.pem")}, env={})
     ca = tmp_path / "ca.pem"

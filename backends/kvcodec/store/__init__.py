@@ -21,9 +21,9 @@ Transport failures raise ``StoreUnavailable``, and so does a store that refuses 
 ``redis+cluster://:PASSWORD@HOST:PORT[,HOST:PORT...]``, ``s3://BUCKET/PREFIX``); the backend's
 module (and ``redis``, ``boto3``) is imported only when its scheme is used. Secrets come from
 ``KVCODEC_STORE_TOKEN`` (the HTTP bearer token; the Redis password when the URL has none), or for
-S3 the standard ``AWS_*`` variables, so they need not be in a URL. TLS (``https``, ``rediss``)
-verifies the server against the system CAs, or against the CA bundle ``KVCODEC_STORE_CA_FILE``
-(settings' ``store_ca_file``) when set.
+S3 the standard ``AWS_*`` variables, so they need not be in a URL. TLS (``https``, ``rediss``,
+an S3 endpoint on ``https``) verifies the server against the system CAs, or against the CA bundle
+``KVCODEC_STORE_CA_FILE`` (settings' ``store_ca_file``) when set.
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ STORES.register("rediss", "kvcodec.store.redis_store:RedisStore")
 STORES.register("s3", "kvcodec.store.s3:S3Store")
 
 
-TLS_SCHEMES = ("https", "rediss")
+TLS_SCHEMES = ("https", "rediss", "s3")  # the stores that take a CA bundle
 
 
 def open_store(url: str, ca_file: Optional[str] = None) -> KVStore:

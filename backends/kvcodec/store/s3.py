@@ -20,17 +20,22 @@ One boto3 client per store object (thread-safe, made on first use), with a conne
 in all (the fetch deadline belongs to the caller, so few). Transport failures, timeouts, 5xx, a
 missing bucket and refused or missing credentials raise ``StoreUnavailable``, saying which.
 
+TLS (an ``https://`` endpoint) verifies the server against the CA bundle ``ca_file`` (else
+``KVCODEC_STORE_CA_FILE``), else boto3's own (``AWS_CA_BUNDLE``, the system CAs); a certificate
+that does not verify raises ``StoreUnavailable`` saying so.
+
 URL options: ``?timeout_s=10&connect_timeout_s=3&attempts=2&pool=16&addressing=auto|path|virtual``.
 ``boto3`` is imported only when an ``s3://`` store is opened.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Iterator, Optional
 from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import ConfigError, StoreUnavailable
-from . import Entry, KVStore, check_key, check_range
+from . import CA_FILE_ENV, Entry, KVStore, check_key, check_range
 
 SUFFIX = ".kvc"
 _NUMBERS = {"timeout_s": float, "connect_timeout_s": float, "attempts": int, "pool": int}
@@ -43,7 +48,7 @@ _AUTH = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "
 
 class S3Store(KVStore):
     def __init__(self, bucket: str, prefix: str = "", timeout_s: float = 10.0, connect_timeout_s: float = 3.0,
-                 attempts: int = 2, pool: int = 16, addressing: str = "auto") -> None:
+                 attempts: int = 2, pool: int = 16, addressing: str = "auto", ca_file: Optional[str] = None) -> None:
         if not isinstance(bucket, str) or len(bucket) < 3:
             raise ConfigError(f"S3 store bucket must have 3 or more characters, got {bucket!r}")
         for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
@@ -58,12 +63,15 @@ class S3Store(KVStore):
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.attempts, self.pool, self.addressing = attempts, pool, addressing
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.ca_file = ca_file if ca_file is not None else os.environ.get(CA_FILE_ENV, "")
+        if self.ca_file and not os.path.isfile(self.ca_file):
+            raise ConfigError(f"S3 store: the CA bundle {self.ca_file!r} ({CA_FILE_ENV}) is not a file")
         self.conditional = True  # False once the server turned If-None-Match down
         self._client = None
         self._lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str) -> "S3Store":
+    def from_url(cls, url: str, ca_file: Optional[str] = None) -> "S3Store":
         parts = urlsplit(url)
         if parts.scheme != "s3":
             raise ConfigError(f"S3 store URL {url!r}: scheme must be s3")
@@ -83,7 +91,7 @@ class S3Store(KVStore):
                 raise ConfigError(f"S3 store URL option {name!r} is unknown (known: {known})")
         if not parts.netloc:
             raise ConfigError(f"S3 store URL {url!r} names no bucket (use s3://BUCKET/PREFIX)")
-        return cls(parts.netloc, parts.path, **options)
+        return cls(parts.netloc, parts.path, ca_file=ca_file, **options)
 
     # -- the client -----------------------------------------------------------------------------
 
@@ -96,7 +104,8 @@ class S3Store(KVStore):
                 config = Config(connect_timeout=self.connect_timeout_s, read_timeout=self.timeout_s,
                                 retries={"max_attempts": self.attempts, "mode": "standard"},
                                 max_pool_connections=self.pool, s3={"addressing_style": self.addressing})
-                self._client = boto3.session.Session().client("s3", config=config)
+                verify = self.ca_file or None  # None: boto3's default (AWS_CA_BUNDLE, the system CAs)
+                self._client = boto3.session.Session().client("s3", config=config, verify=verify)
             return self._client
 
     @property
@@ -126,6 +135,9 @@ class S3Store(KVStore):
             if code == "NoSuchBucket":
                 return StoreUnavailable(f"{where}: bucket {self.bucket!r} does not exist")
             return StoreUnavailable(f"{where}: {what} {key} answered HTTP {status} {code}")
+        if isinstance(exc, bx.SSLError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            return StoreUnavailable(f"{where}: TLS certificate not accepted against "
+                                    f"{self.ca_file or 'the default CAs'} ({what} {key}: {exc})")
         if isinstance(exc, (bx.ConnectTimeoutError, bx.ReadTimeoutError)):
             return StoreUnavailable(f"{where}: {what} {key} timed out ({exc})")
         return StoreUnavailable(f"{where} unreachable ({what} {key}): {type(exc).__name__}: {exc}")

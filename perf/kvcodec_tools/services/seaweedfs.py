@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from kvcodec_tools.ports import free_port_run
 from kvcodec_tools.procs import Process, ServiceError, Wrap
@@ -30,7 +30,7 @@ from . import can_connect
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{2,62}$")
 _PREFIX = re.compile(r"^[a-z0-9_/-]{0,128}$")
 _KEY = re.compile(r"^[A-Za-z0-9/+=._-]{3,128}$")
-PORTS = ("master", "volume", "filer", "s3", "webdav", "admin")  # base + i for each; + 10000 for its gRPC
+PORTS = ("master", "volume", "filer", "s3", "webdav", "admin", "s3https")  # base + i; + 10000 for its gRPC
 
 
 def weed_binary() -> str:
@@ -45,7 +45,9 @@ def weed_binary() -> str:
 class SeaweedS3:
     def __init__(self, root: Path, host: str = "127.0.0.1", access_key: Optional[str] = None,
                  secret_key: Optional[str] = None, bucket: str = "kvcodec", prefix: str = "kv",
-                 base_port: Optional[int] = None, wrap: Wrap = None, volume_size_mb: int = 64) -> None:
+                 base_port: Optional[int] = None, wrap: Wrap = None, volume_size_mb: int = 64,
+                 tls: Optional[Tuple[Path, Path]] = None) -> None:
+        """``tls``: (certificate chain, private key) PEM files: S3 over HTTPS too, at ``https_endpoint``."""
         if not _BUCKET.match(bucket):
             raise ServiceError(f"S3 bucket name must be 3-63 characters of [a-z0-9.-], got {bucket!r}")
         if not _PREFIX.match(prefix):
@@ -65,6 +67,8 @@ class SeaweedS3:
         self.log = self.run_dir / "weed.log"
         listen_host = f"[{host}]" if ":" in host else host
         self.endpoint = f"http://{listen_host}:{self.port}"
+        self.tls = (Path(tls[0]).resolve(), Path(tls[1]).resolve()) if tls else None
+        self.https_endpoint = f"https://{listen_host}:{self.ports['s3https']}" if tls else None
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self._process: Optional[Process] = None
 
@@ -90,7 +94,9 @@ class SeaweedS3:
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false", f"-master.volumeSizeLimitMB={self.volume_size_mb}",
                 f"-filer.localSocket={self.run_dir / 'filer.sock'}", f"-s3.localSocket={self.run_dir / 's3.sock'}",
-                f"-bucket={self.bucket}"]
+                f"-bucket={self.bucket}"] + (
+                    [f"-s3.port.https={p['s3https']}", f"-s3.cert.file={self.tls[0]}", f"-s3.key.file={self.tls[1]}"]
+                    if self.tls else [])
 
     def _answers(self) -> bool:
         """The S3 gateway answers a bucket listing (anonymous or signed with our key) with 200."""
