@@ -20,7 +20,7 @@ name the field and the value.
 | link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
 | key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
-| fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: a request's store calls end by then; the rest is computed |
+| fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: the outer bound on a request's store calls; the fetcher gives up sooner, when recomputing is predicted faster (``kvcodec.serving.fetch``) |
 | writeback     | KVCODEC_WRITEBACK      | ``first``: after a miss, store the new full chunks at the ladder's first rung (3) |
 | ingest_workers | KVCODEC_INGEST_WORKERS | 0: ``min(2, cores)`` chunk encoders side by side at ingest (``kvcodec.ingest``) |
 | decoder_process | KVCODEC_DECODER_PROCESS | 1: kv_decode runs PyAV in a process of its own (a crash is a miss; ``kvcodec.bitstream.isolated``) |
