@@ -144,3 +144,24 @@ def test_chunk_saver_stores_each_rung_once_and_replaces_a_corrupt_copy(tmp_path)
     assert saver.save(keys, 1, C, chunk, replace=frozenset({keys[1]})) == 1
     assert store.get(keys[1]) != b"garbage"
     queue.close(5)
+
+
+def test_torch_chunks_stay_torch_from_the_step_into_the_blocks():
+    """Chunks that arrive as torch tensors (on a GPU: where kv_restore left them) are kept as torch
+    tensors on their device, written into the pool from there, and ``past_kv`` is one too; only
+    ``host=True`` makes numpy (the dense engine's path)."""
+    full = torch.from_numpy(kv(2 * C).astype(np.float32))
+    raw, pages = pool()
+    session = LoadSession(C, 2)
+    given = full[:, :, :, :C].clone()
+    session.put(0, given)
+    given.fill_(0)  # the caller's buffer is reused: the session kept its own copy
+    session.put(1, full[:, :, :, C:])
+    past = session.past_kv()
+    assert isinstance(past, torch.Tensor) and torch.equal(past, full)
+    host = session.past_kv(host=True)
+    assert isinstance(host, np.ndarray) and np.array_equal(host, full.numpy())
+    session.attach(pages, list(range(4)), 0, 2 * C)
+    assert session.loaded and torch.equal(pages.read(list(range(4)), 0, 2 * C), full)
+    with pytest.raises(ValueError, match="numpy array or a torch tensor"):
+        LoadSession(C, 1).put(0, [[1.0]])

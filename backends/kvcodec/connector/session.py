@@ -16,8 +16,12 @@ can take the request at once and load the chunks while later ones are still on t
   it: an engine that was promised them must recompute them, never reuse them);
 - either side: ``settled`` (the usable prefix is final: every chunk before the first failure is in),
   ``wait_settled(timeout_s)``, ``bound_tokens`` (the most that can become usable), ``staged_tokens`` (the leading run kept so far), ``usable_tokens``,
-  ``reason`` and ``past_kv()`` (the leading run as one array, for dense engines and synchronous
-  loads).
+  ``reason`` and ``past_kv(host=False)`` (the leading run as one array, for dense engines and
+  synchronous loads; ``host=True``: as numpy in host memory).
+
+Chunks may be numpy arrays or torch tensors on any device: a device tensor stays on its device from
+the step that restored it into the engine's blocks (no host copy on the way), and ``past_kv`` of
+device chunks is a device tensor.
 
 ``LoadSession.of(past_kv, chunk_tokens)`` makes a settled session from KV already in hand.
 A chunk given twice or outside the plan raises ``ValueError``; a chunk that cannot be written into
@@ -35,6 +39,16 @@ from .load import RequestLoad
 from .pages import KVPages
 
 log = logging.getLogger(__name__)
+
+
+def _kept(kv):
+    """A copy of a chunk that the session may keep: numpy stays numpy, torch stays on its device."""
+    if isinstance(kv, np.ndarray):
+        return np.array(kv, copy=True)
+    clone = getattr(kv, "clone", None)
+    if clone is None:
+        raise ValueError(f"a chunk must be a numpy array or a torch tensor, got {type(kv).__name__}")
+    return clone()
 
 
 class LoadSession:
@@ -64,7 +78,7 @@ class LoadSession:
 
     # -- producer ----------------------------------------------------------------------------------
     def put(self, index: int, kv) -> None:
-        kv = np.array(kv, copy=True)  # the caller's buffer (a Triton input) may be reused after the call
+        kv = _kept(kv)  # the caller's buffer (a Triton input) may be reused after the call
         with self._cond:
             self._check(index)
             self._chunks[index] = kv
@@ -132,14 +146,24 @@ class LoadSession:
             first = min(self._failed)
             return f"chunk {first}: {self._failed[first]}"
 
-    def past_kv(self) -> Optional[np.ndarray]:
-        """The leading run of kept chunks as one array (float32 if any chunk is), or None."""
+    def past_kv(self, host: bool = False):
+        """The leading run of kept chunks as one array (float32 if any chunk is), or None: numpy, or a
+        torch tensor where the chunks are (``host``: numpy in host memory either way)."""
         with self._cond:
             run = [self._chunks[i] for i in range(self._run())]
         if not run:
             return None
-        dtype = np.result_type(*[c.dtype for c in run])
-        kv = np.concatenate([c.astype(dtype, copy=False) for c in run], axis=3)
+        if host or all(isinstance(c, np.ndarray) for c in run):
+            run = [c if isinstance(c, np.ndarray) else c.detach().cpu().numpy() for c in run]
+            dtype = np.result_type(*[c.dtype for c in run])
+            kv = np.concatenate([c.astype(dtype, copy=False) for c in run], axis=3)
+        else:
+            import torch
+
+            device = next(c.device for c in run if not isinstance(c, np.ndarray))
+            run = [torch.from_numpy(c).to(device) if isinstance(c, np.ndarray) else c for c in run]
+            dtype = torch.float32 if any(c.dtype == torch.float32 for c in run) else run[0].dtype
+            kv = torch.cat([c.to(dtype) for c in run], dim=3)
         return kv[:, :, :, :self.planned_tokens]
 
     # -- engine side -------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ chunks, and the chunk infos for the statistics), so an engine that loads chunks 
 reference is kept to the step's input buffers), or failed there when its info is not ``ok`` or its
 KV does not have the request's shape. ``Arrival.first`` marks the first chunk, ``Arrival.complete``
 the last one (every chunk's info is in); ``Chunks.assembled()`` is then an ``Assembled``: the KV of
-the longest run of good chunks from the start (float16, or float32 once a float32 chunk, ``raw`` on
+the longest run of good chunks from the start (in host memory; a streaming engine takes the session's
+chunks where they are, on the device when the steps ran there) (float16, or float32 once a float32 chunk, ``raw`` on
 a float32 engine, is among them: float16 widens exactly) and the per-request statistics.
 ``add(info, kv)`` is the one-call form: ``None`` until the request is complete, then its
 ``Assembled``. Requests that never complete are dropped after ``ttl_s``.
@@ -59,7 +60,8 @@ class Chunks:
             return self._cond.wait_for(lambda: len(self.infos) >= self.count, timeout_s)
 
     def assembled(self, with_kv: bool = True) -> Assembled:
-        """The request as it stands (complete or not): the good run and the infos so far."""
+        """The request as it stands (complete or not): the good run (numpy, in host memory: for
+        engines that take the whole prefix at once) and the infos so far."""
         with self._cond:
             ordered = [self.infos[i] for i in sorted(self.infos)]
         reused, reason = 0, ""
@@ -74,7 +76,7 @@ class Chunks:
         if not reason and len(ordered) < self.count:
             reason = f"chunk {len(ordered)}: missing"
         reused = min(reused, self.session.usable_tokens)
-        past = self.session.past_kv() if with_kv and reused else None
+        past = self.session.past_kv(host=True) if with_kv and reused else None
         return Assembled(None if past is None else past[:, :, :, :reused], ordered, reused, reason)
 
 
@@ -127,20 +129,20 @@ class Assembler:
         if info.ok:
             if kv.ndim != 5 or kv.shape[3] != info.tokens or info.tokens != session.chunk_tokens:
                 info.fail("error", f"restored KV has shape {list(kv.shape)}, expected {info.tokens} tokens")
-            elif kv.dtype not in (np.float16, np.float32):
-                info.fail("error", f"restored KV is {kv.dtype}, not float16 or float32")
-            elif request.shape is not None and request.shape != kv.shape:
+            elif _dtype(kv) not in ("float16", "float32"):
+                info.fail("error", f"restored KV is {_dtype(kv)}, not float16 or float32")
+            elif request.shape is not None and request.shape != tuple(kv.shape):
                 info.fail("error", f"restored KV has shape {list(kv.shape)}, other chunks {list(request.shape)}")
         try:
             if info.ok:
-                request.shape = request.shape or kv.shape
+                request.shape = request.shape or tuple(kv.shape)
                 session.put(info.index, kv)
             else:
                 session.fail(info.index, f"{info.status}: {info.reason}")
         except ValueError as exc:  # the same chunk twice
             info.fail("error", str(exc))
 
-    def _expire(self) -> None:
+    def _expire(self) -> None:  # (called with the lock held)
         now = time.monotonic()
         for session in [s for s, p in self._pending.items() if now - p.started > self.ttl_s]:
             del self._pending[session]
@@ -148,3 +150,8 @@ class Assembler:
     def __len__(self) -> int:
         with self._lock:
             return len(self._pending)
+
+
+def _dtype(kv) -> str:
+    """numpy's or torch's dtype name: ``float16``, ``float32``..."""
+    return np.dtype(kv.dtype).name if isinstance(kv, np.ndarray) else str(kv.dtype).replace("torch.", "")

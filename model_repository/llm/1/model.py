@@ -38,6 +38,7 @@ from kvcodec.triton import (
     error_response,
     get_array,
     get_scalar,
+    get_tensor,
     get_text,
     instance_count,
     model_parameters,
@@ -69,8 +70,9 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 info = ChunkInfo.from_json(get_text(request, "chunk_info"))
-                kv32 = get_array(request, "kv32", np.float32)  # float32 (raw, a float32 engine's own) or empty
-                kv = kv32 if kv32.size else get_array(request, "kv", np.float16)
+                # where kv_restore left it: a device tensor stays on the device into a streaming engine
+                kv32 = get_tensor(request, "kv32", np.float32)  # float32 (raw, a float32 engine's own) or empty
+                kv = kv32 if _size(kv32) else get_tensor(request, "kv", np.float16)
                 arrival = self.assembler.arrive(info, kv)  # copied into the request's load session
                 if arrival.assembled is not None:  # nothing to reuse
                     source = arrival.assembled
@@ -139,6 +141,10 @@ class TritonPythonModel:
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+def _size(value) -> int:
+    return int(value.size if isinstance(value, np.ndarray) else value.numel())
+
+
 def _safely(fn, *args):
     try:
         fn(*args)
