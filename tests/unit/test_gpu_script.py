@@ -190,3 +190,65 @@ def test_torch_restore_equals_the_library_restore(tiny_profile, tmp_path, rung):
     got = restore_torch(decoded.header, planes, decoded.side).numpy()
     assert got.dtype == np.float16 and got.shape == want.shape
     assert np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= 2e-3 * np.abs(want).max()
+
+
+# -- the stage call (nvCOMP's wheels and the entropy chunks) and the checks that read it ---------------
+def _stage(folder: Path, tiny_profile) -> dict:
+    from dataclasses import replace
+
+    kv = structured_kv(4)
+    chunks = []
+    for label, (rung, params) in carry.ENTROPY.items():
+        scheme = replace(on_tiny_profile(SCHEMES[rung]), codec_params=dict(SCHEMES[rung].codec_params, **params))
+        key = chunk_keys(list(range(256)), MODEL, scheme.identity, 256)[0]
+        chunks.append((label, 0, ChunkEncoder(scheme, MODEL, auth=carry.auth()).encode(kv, key, 0, 0)))
+    manifest = {"format": carry.STAGE_FORMAT, "model_id": MODEL, "wheels": [],
+                "chunks": carry.write_chunks(folder, chunks, carry.auth())}
+    (folder / carry.MANIFEST).write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_the_nvcomp_check_decodes_every_staged_chunk_bit_exactly_in_its_cpu_part(tmp_path, tiny_profile):
+    manifest = _stage(tmp_path, tiny_profile)
+    assert {e["rung"] for e in manifest["chunks"]} == set(carry.ENTROPY)
+    framed = [e for e in manifest["chunks"] if e["rung"].endswith("-f64")]
+    assert framed and all('"frame_kb":64' in e["scheme_id"] for e in framed)
+    ctx = gpu_checks.Ctx(tmp_path, {}, dry_run=True, stage=tmp_path)
+    ok, out = gpu_checks.check_nvcomp(ctx)
+    assert ok, out
+    assert out["decoder"] == "cpu" and all(out[label]["bit_exact"] for label in carry.ENTROPY)
+    assert out["int8-zstd-f64"]["zstd_frames"] > 1 == out["int8-zstd"]["zstd_frames"]
+    assert all(out[label]["fp16_GBps"] > 0 for label in carry.ENTROPY)
+    damaged = tmp_path / manifest["chunks"][0]["file"]
+    data = bytearray(damaged.read_bytes())
+    data[-50] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    ok, out = gpu_checks.check_nvcomp(ctx)
+    assert not ok and out["carry_problems"] and "error" in out[manifest["chunks"][0]["rung"]]
+
+
+def test_without_the_stage_call_the_nvcomp_check_says_to_make_it(tmp_path):
+    ctx = gpu_checks.Ctx(tmp_path, {}, dry_run=False, stage=tmp_path / "not-carried")
+    with pytest.raises(carry.CarryError, match="carry it with the stage call first"):
+        gpu_checks.check_nvcomp(ctx)
+
+
+def test_the_device_calls_stage_first_then_run_the_checks_each_within_its_limit():
+    stage, checks = carry.run_calls()
+    assert stage == {"command": "bash tests/gpu/run.sh --stage", "carry": [carry.STAGE],
+                     "timeout_s": carry.STAGE_TIMEOUT_S}
+    assert checks == carry.run_call() and checks["carry"] == [carry.CARRY]
+    assert all(len(c["command"]) <= 2000 and c["timeout_s"] <= 600 for c in (stage, checks))
+    other = carry.run_calls("c2", "s2")
+    assert other[0]["command"].startswith("GPU_STAGE=s2 ") and other[1]["command"].startswith("GPU_STAGE=s2 GPU_CARRY=c2 ")
+    assert "nvcomp" in gpu_checks.BUDGETS and max(gpu_checks.CONCURRENCY) == 7
+    text = RUN_SH.read_text()
+    assert '--stage)' not in text and '"--stage" ]' in text  # run.sh takes the stage call's flag
+    assert f"/{carry.STAGE}/" in (carry.REPO / ".gitignore").read_text()  # never counted in the tree
+
+
+def test_the_nvcomp_wheels_are_the_pinned_ones():
+    folder = carry.REPO / carry.STAGE / "wheels"
+    if not folder.is_dir():
+        pytest.skip(f"no {folder}: `bash tests/gpu/run.sh --dry-run` downloads them (needs the network)")
+    assert {p.name: carry.sha256(p) for p in folder.iterdir()} == carry.NVCOMP_WHEELS

@@ -90,16 +90,15 @@ class Zstd(BitstreamCoder):
             raise ValueError(f"zstd frame_kb must be 0..{MAX_FRAME_KB} (KiB per frame; 0: one frame), got {frame_kb!r}")
         extra = {"frame_kb": int(frame_kb)} if frame_kb else {}  # only when set: identities without it stay
         super().__init__(level=level, **extra)
-        import zstandard
-
-        self._zstd = zstandard
         self._level = int(level)
         self.frame_kb = int(frame_kb)
-        self._cpu = ZstdCpuDecoder()
+        self._cpu: Any = None  # python-zstandard, made on first CPU decode: a GPU machine may not have it
 
     def encode(self, planes: np.ndarray) -> bytes:
+        import zstandard
+
         raw = memoryview(np.ascontiguousarray(planes, dtype=np.uint8)).cast("B")
-        compressor = self._zstd.ZstdCompressor(level=self._level)
+        compressor = zstandard.ZstdCompressor(level=self._level)
         if not self.frame_kb:
             return compressor.compress(raw)
         step = self.frame_kb * 1024
@@ -141,4 +140,6 @@ class Zstd(BitstreamCoder):
         return out.reshape(shape)
 
     def decode(self, data: bytes, shape: Tuple[int, int, int]) -> np.ndarray:
+        if self._cpu is None:
+            self._cpu = ZstdCpuDecoder()
         return self.decode_with(self._cpu, data, shape)
