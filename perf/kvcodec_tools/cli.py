@@ -141,7 +141,7 @@ def cmd_serve(args) -> int:
         if stopping:
             print("kvcodec serve: stopped before it was ready", flush=True)
             return 0
-        print(f"kvcodec serve: {exc}", file=sys.stderr)
+        print(f"kvcodec serve: {_start_failure(exc, server.log_path)}", file=sys.stderr)
         return 1
     print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "
           f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}"
@@ -150,6 +150,23 @@ def cmd_serve(args) -> int:
     server.stop()
     print("kvcodec serve: stopped", flush=True)
     return 0 if stopping else code
+
+
+def _start_failure(exc: Exception, log_path: Path) -> str:
+    """One line for a server that did not start: the models that failed to load, with the first
+    line of each one's error, from the log's model table (else the error's first line), then the log."""
+    try:
+        rows = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        rows = []
+    failed = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if row.startswith("|") and len(cells) >= 3 and cells[2].startswith("UNAVAILABLE"):
+            message = cells[2].split("\\n")[0][:300]  # a multi-line error is quoted on one row
+            failed.append(f"model {cells[0]}: {message}")
+    reason = "; ".join(dict.fromkeys(failed)) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    return f"tritonserver did not start: {reason} (log {log_path})"
 
 
 def _warn_unfitted(settings) -> None:
