@@ -197,3 +197,38 @@ def test_the_get_throughput_bench_runs_and_checks_bytes(monkeypatch):
     assert set(report["results"]) == {"nginx (http)", "seaweedfs (s3)"}
     for rows in report["results"].values():
         assert [r["threads"] for r in rows] == [1, 2] and all(r["mb_per_s"] > 0 and r["gets"] == 3 for r in rows)
+
+
+@pytest.mark.timeout(90)
+def test_a_body_that_trickles_is_cut_at_the_callers_deadline(tmp_path, monkeypatch):
+    """Behind a 4 Mbit/s link a 1 MB object takes ~2 s: inside a 0.8 s call deadline the GET ends by
+    then; a call started after its deadline raises at once."""
+    from kvcodec.store.deadline import call_deadline
+    from kvcodec_tools.ports import free_port_run
+    from kvcodec_tools.services.seaweedfs import PORTS
+    from kvcodec_tools.shaping import open_link
+
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    value = os.urandom(1 << 20)
+    with open_link(4, 0, "auto") as link:
+        base = free_port_run(len(PORTS), offsets=(0, 10000))
+        with SeaweedS3(tmp_path, link.server_host, ACCESS, SECRET, bucket="kvslow", base_port=base,
+                       wrap=link.wrap) as srv:
+            host, port = link.expose(srv.port)
+            for name, v in srv.environ().items():
+                monkeypatch.setenv(name, v)
+            monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://{host}:{port}")
+            with open_store(srv.url + "?timeout_s=10") as slow:
+                slow.put(KEY, value)
+                assert slow.exists(KEY)  # headers only: quick
+                t0 = time.monotonic()
+                with call_deadline(t0 + 0.8):
+                    with pytest.raises(StoreUnavailable, match="timed out"):
+                        slow.get(KEY)
+                assert time.monotonic() - t0 < 1.6
+                with call_deadline(time.monotonic() - 1):
+                    with pytest.raises(StoreUnavailable, match="deadline had passed"):
+                        slow.exists(KEY)
+                with call_deadline(time.monotonic() + 20):
+                    assert slow.get_range(KEY, 0, 1000) == value[:1000]

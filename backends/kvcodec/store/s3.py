@@ -17,8 +17,11 @@ profile or the instance role. Requests:
 
 One boto3 client per store object (thread-safe, made on first use), with a connection pool of
 ``pool`` connections, ``connect_timeout_s`` / ``timeout_s`` per attempt and ``attempts`` attempts
-in all (the fetch deadline belongs to the caller, so few). Transport failures, timeouts, 5xx, a
-missing bucket and refused or missing credentials raise ``StoreUnavailable``, saying which.
+in all (the fetch deadline belongs to the caller, so few). Inside a caller's
+``store.deadline.call_deadline``, a call started after the deadline raises at once and a body read
+ends by the deadline (connect and the wait for the response headers stay bounded by
+``connect_timeout_s`` and ``timeout_s``). Transport failures, timeouts, 5xx, a missing bucket and
+refused or missing credentials raise ``StoreUnavailable``, saying which.
 
 TLS (an ``https://`` endpoint) verifies the server against the CA bundle ``ca_file`` (else
 ``KVCODEC_STORE_CA_FILE``), else boto3's own (``AWS_CA_BUNDLE``, the system CAs); a certificate
@@ -36,8 +39,10 @@ from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import ConfigError, StoreUnavailable
 from . import CA_FILE_ENV, Entry, KVStore, check_key, check_range
+from . import deadline as call_deadline
 
 SUFFIX = ".kvc"
+_PIECE = 1 << 16  # bytes read at a time inside a caller's deadline
 _NUMBERS = {"timeout_s": float, "connect_timeout_s": float, "attempts": int, "pool": int}
 _ADDRESSING = ("auto", "path", "virtual")
 _MISS = ("NoSuchKey", "404", "NotFound")
@@ -145,12 +150,37 @@ class S3Store(KVStore):
     def _call(self, what: str, key: str, fn):
         import botocore.exceptions as bx
 
+        left = call_deadline.left()
+        if left is not None and left <= 0:
+            raise StoreUnavailable(f"S3 store {self.url}: {what} {key} timed out (its deadline had passed)")
         try:
             return fn(self._s3())
         except bx.ClientError as exc:
             raise exc  # the caller maps the codes it expects, then calls _fail
         except (bx.BotoCoreError, OSError) as exc:
             raise self._fail(what, key, exc) from None
+
+    def _body(self, response: dict, what: str, key: str) -> bytes:
+        """The object's bytes; inside a caller's ``call_deadline`` the read ends by that deadline."""
+        body = response["Body"]
+        if call_deadline.left() is None:
+            return body.read()
+        pieces, got, size = [], 0, int(response.get("ContentLength", -1))
+        try:
+            while got != size:
+                left = call_deadline.left()
+                if left <= 0:
+                    raise StoreUnavailable(f"S3 store {self.url}: {what} {key} timed out (cut at its deadline)")
+                body.set_socket_timeout(min(self.timeout_s, left))
+                piece = body.read(_PIECE)
+                if not piece:
+                    break
+                pieces.append(piece)
+                got += len(piece)
+            return b"".join(pieces)
+        finally:
+            if call_deadline.left() is not None and call_deadline.left() <= 0:
+                body.close()  # a cut read leaves its connection unusable
 
     @staticmethod
     def _code(exc) -> str:
@@ -163,7 +193,7 @@ class S3Store(KVStore):
 
         name = self._name(key)
         try:
-            return self._call("GET", key, lambda c: c.get_object(Bucket=self.bucket, Key=name)["Body"].read())
+            return self._call("GET", key, lambda c: self._body(c.get_object(Bucket=self.bucket, Key=name), "GET", key))
         except bx.ClientError as exc:
             if self._code(exc) in _MISS:
                 return None
@@ -177,8 +207,8 @@ class S3Store(KVStore):
             return b"" if self.exists(key) else None
         name = self._name(key)
         try:
-            return self._call("GET range", key, lambda c: c.get_object(
-                Bucket=self.bucket, Key=name, Range=f"bytes={start}-{end - 1}")["Body"].read())
+            return self._call("GET range", key, lambda c: self._body(c.get_object(
+                Bucket=self.bucket, Key=name, Range=f"bytes={start}-{end - 1}"), "GET range", key))
         except bx.ClientError as exc:
             code = self._code(exc)
             if code in _MISS:
