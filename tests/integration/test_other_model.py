@@ -1,8 +1,8 @@
 """A second model end to end (``--model DIR``): a small random Llama of another KV geometry
 (4 layers, 2 KV heads, head_dim 32; ``tests.other_model``), its codec profile fitted by
 ``kvcodec profile fit --model``, ingested, served by a real tritonserver, reused over gRPC and HTTP.
-Raw reuse gives the tokens of the model's own prefill; a profile rung (kvtc-w) restores through
-the model's cached profile inside the server. Over the transformers engine here, over vLLM in
+Raw reuse gives the tokens of the model's own prefill; the profile rungs (kvtc-w, video) restore
+through the model's cached profile inside the server. Over the transformers engine here, over vLLM in
 ``.venv-vllm`` (``-m vllm``)."""
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def served(tmp_path_factory, other_model):
     """The model's own home: its profile fitted, one text ingested at raw and kvtc-w, a server on it.
     Yields (settings, prompt ids, server)."""
     home = tmp_path_factory.mktemp("other-home")
-    msettings = _model_settings(home, other_model, ladder="raw,kvtc-w")
+    msettings = _model_settings(home, other_model, ladder="raw,kvtc-w,video")
     proc = subprocess.run([KVCODEC, "profile", "fit", "--model", str(other_model), "--home", str(home),
                            "--model-cache", str(msettings.model_cache), "--threads", "1"],
                           capture_output=True, text=True, timeout=300)
@@ -72,8 +72,8 @@ def served(tmp_path_factory, other_model):
     assert fit["weighted"] and fit["profile"].startswith(str(home / "models" / "profiles")), fit
     tok = Tokenizer(files_for(msettings))
     text = text_of(tok, "textwrap.py", 540)
-    report = _ingest(msettings, home, text, "raw,kvtc-w")
-    assert report["chunks"] == 2 and report["written"] == 4, report
+    report = _ingest(msettings, home, text, "raw,kvtc-w,video")
+    assert report["chunks"] == 2 and report["written"] == 6, report
     srv = _start(msettings)
     try:
         yield msettings, tok.encode(text + QUESTION), srv
@@ -106,10 +106,14 @@ def test_raw_reuse_gives_the_models_own_prefill_tokens(served, protocol):
     assert result.tokens == own.tokens and result.text == own.text
 
 
-def test_a_profile_rung_restores_through_the_models_cached_profile(served):
+@pytest.mark.parametrize("rung", ["kvtc-w", "video"])
+def test_a_profile_rung_restores_through_the_models_cached_profile(served, rung):
+    """The random model's tokens are too sensitive to compare after a lossy rung; what is checked is
+    that the server decodes and restores this geometry through the model's profile (a failure
+    would be a miss: 0 tokens reused)."""
     _, ids, srv = served
-    result = _client(srv, "grpc").generate(ids, MAX_TOKENS, reuse=True, codecs="kvtc-w")
-    assert result.reused_tokens == 512 and result.stats["scheme"] == "kvtc-w", result.stats
+    result = _client(srv, "grpc").generate(ids, MAX_TOKENS, reuse=True, codecs=rung)
+    assert result.reused_tokens == 512 and result.stats["scheme"] == rung, result.stats
     assert len(result.tokens) == MAX_TOKENS
 
 
