@@ -98,9 +98,11 @@ def _rung(header: dict) -> str:
     base = SCHEMES.get(name)
     if base is None or base.quality_param is None:
         return name
-    params = header.get("layout_params" if base.quality_in == "layout" else "codec_params")
+    in_layout = base.quality_in == "layout"
+    params = header.get("layout_params" if in_layout else "codec_params")
     quality = params.get(base.quality_param) if isinstance(params, dict) else None
-    return f"{name}:{quality}" if quality is not None else name
+    default = (base.layout_params if in_layout else base.codec_params).get(base.quality_param)
+    return f"{name}:{quality}" if quality is not None and quality != default else name
 
 
 def usage(store: KVStore) -> dict:
