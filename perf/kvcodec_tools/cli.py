@@ -408,17 +408,23 @@ def cmd_bench_load(args) -> int:
                     Path(args.plot) if args.plot else None)
 
 
-def cmd_soak(args) -> int:
-    from kvcodec_tools.soak import SoakConfig, run_soak
+def soak_config(args):
+    """The ``SoakConfig`` of ``kvcodec soak``'s flags (exits with one line on a bad value)."""
+    from kvcodec_tools.soak import SoakConfig
 
     try:
-        config = SoakConfig(args.clients, args.duration_s, tuple(args.protocols), contexts=args.contexts,
-                            context_tokens=args.context_tokens, max_tokens=args.max_tokens,
-                            threads=args.threads if args.threads is not None else 2, sample_s=args.sample_s,
-                            warmup_s=args.warmup_s, window_s=args.window_s)
+        return SoakConfig(args.clients, args.duration_s, tuple(args.protocols), contexts=args.contexts,
+                          context_tokens=args.context_tokens, max_tokens=args.max_tokens,
+                          threads=args.threads if args.threads is not None else 2, sample_s=args.sample_s,
+                          warmup_s=args.warmup_s, window_s=args.window_s)
     except ValueError as exc:
         raise SystemExit(f"kvcodec soak: {exc}") from None
-    return run_soak(_settings(args), Path(args.model_repository), config, Path(args.json),
+
+
+def cmd_soak(args) -> int:
+    from kvcodec_tools.soak import run_soak
+
+    return run_soak(_settings(args), Path(args.model_repository), soak_config(args), Path(args.json),
                     Path(args.plot) if args.plot else None)
 
 

@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from kvcodec_tools.cli import build_parser
+from kvcodec.settings import Settings
+from kvcodec_tools.cli import _settings, build_parser, soak_config
 from kvcodec_tools.soak import (
     MODES,
     RSS_GROWTH_LIMIT,
@@ -32,8 +34,10 @@ from kvcodec_tools.soak import (
     ttft_table,
     windows,
 )
+from kvcodec_tools.tritonserver import Ports, TritonServer
 
 MiB = 2**20
+REPO = Path(__file__).resolve().parents[2]
 
 
 def samples(rss, fds=10, processes=5, shm=4 * MiB, every_s=5.0, **extra):
@@ -123,11 +127,20 @@ def test_config_checks_its_values():
         SoakConfig(clients=0)
 
 
-def test_cli_defaults():
-    args = build_parser().parse_args(["soak", "--engine", "vllm"])
-    assert (args.clients, args.duration_s, args.protocols, args.max_tokens) == (8, 300.0, ["grpc", "http"], 8)
-    assert args.json.endswith("perf/results/reliability.json") and args.plot.endswith("perf/results/reliability.png")
-    assert args.engine == "vllm" and args.func.__name__ == "cmd_soak"
+def test_the_command_runs_the_soak_its_flags_describe(tmp_path):
+    """What ``kvcodec soak`` hands to ``run_soak``: the config its flags build (its defaults are the
+    library's) and the settings whose engine the server it starts is given."""
+    parse = build_parser().parse_args
+    assert soak_config(parse(["soak"])) == SoakConfig()
+    config = soak_config(parse(["soak", "--clients", "3", "--protocols", "http", "--duration-s", "20",
+                                "--max-tokens", "4", "--threads", "1", "--warmup-s", "5"]))
+    assert (config.clients, config.protocols, config.duration_s, config.max_tokens, config.threads,
+            config.warmup_s) == (3, ("http",), 20.0, 4, 1, 5.0)
+    with pytest.raises(SystemExit, match="^kvcodec soak: protocols must be grpc and/or http, got grpc,udp$"):
+        soak_config(parse(["soak", "--protocols", "grpc,udp"]))
+    settings = _settings(parse(["soak", "--engine", "vllm", "--home", str(tmp_path)]))
+    env = TritonServer(REPO / "model_repository", settings, Ports()).environment()
+    assert env["KVCODEC_ENGINE"] == "vllm" and Settings.load(env=env).engine == "vllm"  # what llm loads
 
 
 # -- the process tree ----------------------------------------------------------------------------
