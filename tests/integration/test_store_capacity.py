@@ -1,7 +1,7 @@
 """Capacity of real stores (``kvcodec.store.capacity`` and ``kvcodec store usage|gc``): real chunk
 containers on prefix chains (``format.keys``), stored in a folder, nginx (WebDAV; listed through its
-JSON folder listing), SeaweedFS's WebDAV server (listed with PROPFIND), redis-server and SeaweedFS
-(S3); gc keeps each under its limit with every remaining chain intact. And full stores:
+JSON folder listing), SeaweedFS's WebDAV server (listed with PROPFIND), redis-server, a 3-node redis cluster and
+SeaweedFS (S3); gc keeps each under its limit with every remaining chain intact. And full stores:
 a full disk behind nginx and a Redis at maxmemory with noeviction make write-back fail quietly
 and counted, never the caller; with ``allkeys-lru`` Redis evicts on its own.
 """
@@ -28,9 +28,9 @@ from kvcodec.format.keys import chunk_keys
 from kvcodec.store import open_store
 from kvcodec.store.capacity import gc, usage
 from kvcodec.store.http import HttpStore
-from kvcodec_tools.ports import free_port
+from kvcodec_tools.ports import free_port, free_port_run
 from kvcodec_tools.services.nginx import NginxStore
-from kvcodec_tools.services.redis import RedisServer
+from kvcodec_tools.services.redis import RedisCluster, RedisServer
 from kvcodec_tools.services.seaweedfs import SeaweedS3
 
 pytestmark = pytest.mark.integration
@@ -89,17 +89,19 @@ def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("capacity")
     nginx = NginxStore(root / "nginx", "127.0.0.1", free_port(), TOKEN).start()
     redis = RedisServer(root / "redis", "127.0.0.1", free_port(), PASSWORD).start()
+    cluster = RedisCluster(root / "cluster", "127.0.0.1", free_port_run(3, offsets=(0, 10000)), PASSWORD).start(30)
     s3 = SeaweedS3(root / "s3", "127.0.0.1", "capacity-key", "capacity-secret-0123", bucket="kvcap",
                    webdav=True).start(60)  # its WebDAV server: a WebDAV store that speaks PROPFIND
-    yield {"nginx": nginx, "redis": redis, "s3": s3, "root": root}
-    for srv in (nginx, redis, s3):
-        pid = srv.pid
+    yield {"nginx": nginx, "redis": redis, "cluster": cluster, "s3": s3, "root": root}
+    for srv in (nginx, redis, cluster, s3):
+        pids = srv.pids if srv is cluster else [srv.pid]
         srv.stop()
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pid, 0)
 
 
-@pytest.fixture(params=["file", "http", "webdav", "redis", "s3"])
+@pytest.fixture(params=["file", "http", "webdav", "redis", "redis-cluster", "s3"])
 def store(request, servers, monkeypatch, tmp_path):
     kind = request.param
     if kind == "s3":
@@ -111,6 +113,7 @@ def store(request, servers, monkeypatch, tmp_path):
          "http": lambda: HttpStore(servers["nginx"].url, token=TOKEN),
          "webdav": lambda: HttpStore(servers["s3"].webdav_url),
          "redis": lambda: open_store(servers["redis"].url),
+         "redis-cluster": lambda: open_store(servers["cluster"].url),
          "s3": lambda: open_store(servers["s3"].url)}[kind]()
     for e in list(s.scan()):
         s.delete(e.key)
