@@ -436,7 +436,7 @@ def cmd_repository(args) -> int:
         from kvcodec.engines import model_files
 
         settings = _settings(args)
-        model_files.ensure_model(settings.model_cache)
+        model_files.files_for(settings)
     out = render(Path(args.source), Path(args.out), args.variant, gpus=args.gpus, settings=settings,
                  instances=parse_instances(args.instances or ""))
     print(f"kvcodec repository: wrote the {args.variant} repository to {out}")
@@ -585,7 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_soak)
 
     p = sub.add_parser("repository", help="write a model repository variant derived from model_repository/: "
-                                          "cpu, gpu, or trtllm (TensorRT-LLM's LLM-API model with our connector)")
+                                          "cpu, gpu, trtllm (the ensemble on TensorRT-LLM) or trtllm-llmapi "
+                                          "(TensorRT-LLM's own LLM-API model with our connector)")
     p.add_argument("--variant", choices=["cpu", "gpu", "trtllm", "trtllm-llmapi"], required=True)
     p.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
     p.add_argument("--gpus", type=_list(int), default=[0], help="GPU ids of the KIND_GPU instances (trtllm: one)")
@@ -593,10 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instances", help="STEP=COUNT,...: instance_group counts of kv_fetch, kv_decode, kv_restore "
                                        "(per GPU on the gpu variant); llm runs as one")
     p.add_argument("--home", help="folder for caches (default ./.cache)")
-    p.add_argument("--store", help="trtllm: the store URL the connector reads and writes (default file://<home>/store)")
-    p.add_argument("--model-cache", help="trtllm: folder of the converted model (default <home>/models)")
-    p.add_argument("--ladder", help="trtllm: the rungs the connector fetches from, preferred first (KVCODEC_LADDER)")
-    p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"], help="trtllm: the connector's video decoder")
+    p.add_argument("--store", help="trtllm-llmapi: the store URL the connector reads and writes "
+                                   "(default file://<home>/store)")
+    p.add_argument("--model-cache", help="trtllm-llmapi: folder of the converted model (default <home>/models)")
+    p.add_argument("--model", help="trtllm-llmapi: a Hugging Face model folder (default: the embedded SmolLM2)")
+    p.add_argument("--ladder", help="trtllm-llmapi: the rungs the connector fetches from, preferred first")
+    p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"], help="trtllm-llmapi: the connector's video decoder")
     p.set_defaults(func=cmd_repository)
 
     p = sub.add_parser("rd", help="every codec at several settings over the eval set: rd.json and rd.png")

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
@@ -209,10 +209,9 @@ def parse_instances(text: str) -> Dict[str, int]:
 def trtllm_card(settings):
     """The project's model as TensorRT-LLM computes it: float16 KV, an identity of its own (as
     ``trtllm_config.load_config`` makes it without a config file)."""
-    from kvcodec.engines import model_files
+    from kvcodec.engines.trtllm_engine import TrtllmEngine
 
-    base = model_files.card(settings.model_cache)
-    return replace(base, model_id=f"{base.model_id}/trtllm-float16", kv_dtype="float16")
+    return TrtllmEngine.model_card(settings)  # the settings' model (``--model``), as the ensemble's engine sees it
 
 
 def trtllm_settings(settings, card) -> Dict[str, Any]:
@@ -279,7 +278,7 @@ def _write_trtllm(out: Path, settings, card, model: Optional[str], tokens_per_bl
 
     settings = settings if settings is not None else _default_settings()
     card = card if card is not None else trtllm_card(settings)
-    model = model or str(Path(settings.model_cache) / model_files.FOLDER)
+    model = model or str(settings.model or Path(settings.model_cache) / model_files.FOLDER)
     version = out / TRTLLM_MODEL / "1"
     version.mkdir(parents=True, exist_ok=True)
     (version / "model.yaml").write_text(

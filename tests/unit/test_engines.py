@@ -61,7 +61,7 @@ def test_a_second_engine_is_one_registry_entry(echo_engine):
 
 
 def test_an_unknown_engine_is_a_config_error_naming_the_known_ones():
-    with pytest.raises(ConfigError, match="engine must be one of transformers, vllm, got 'vllm-x'"):
+    with pytest.raises(ConfigError, match="engine must be one of transformers, trtllm, vllm, got 'vllm-x'"):
         Settings.load({"engine": "vllm-x"}, env={})
     with pytest.raises(Unsupported, match="unknown engine"):
         ENGINES.get("vllm-x")
