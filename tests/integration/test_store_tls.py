@@ -31,7 +31,10 @@ KEY = "0a1b2c3d4e5f/abcdefabcdef/" + "2" * 40
 def _openssl(*args: str, cwd: Path) -> None:
     tool = shutil.which("openssl")
     if tool is None:
-        pytest.fail("openssl is not installed (apt-get install -y openssl)")
+        message = "openssl is not installed (apt-get install -y openssl)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
     subprocess.run([tool, *args], cwd=cwd, check=True, capture_output=True, timeout=30)
 
 

@@ -143,3 +143,14 @@ def test_bad_sizes_and_ages(text):
         parse_size(text)
     with pytest.raises(ValueError):
         parse_age(text)
+
+
+def test_boto3_and_redis_load_only_when_their_store_is_used():
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvcodec.store import open_store; s = open_store('s3://bucket/kv'); "
+            "r = open_store('rediss://:p@h:1/0'); print('boto3' in sys.modules, 'redis' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
