@@ -3,7 +3,8 @@ containers on prefix chains (``format.keys``), stored in a folder, nginx (WebDAV
 JSON folder listing), SeaweedFS's WebDAV server (listed with PROPFIND), redis-server, a 3-node redis cluster and
 SeaweedFS (S3); gc keeps each under its limit with every remaining chain intact. And full stores:
 a full disk behind nginx and a Redis at maxmemory with noeviction make write-back fail quietly
-and counted, never the caller; with ``allkeys-lru`` Redis evicts on its own.
+and counted, never the caller, and so does a SeaweedFS out of volume space; with ``allkeys-lru``
+Redis evicts on its own.
 """
 from __future__ import annotations
 
@@ -265,6 +266,36 @@ def test_a_full_disk_behind_nginx_fails_write_back_quietly_and_counted(tmp_path)
             store.close()
     finally:
         subprocess.run(["umount", str(data)], timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_s3_store_fails_write_back_quietly_and_counted(tmp_path, monkeypatch):
+    srv = SeaweedS3(tmp_path, "127.0.0.1", "full-key-01", "full-secret-0123", bucket="kvfull", volume_size_mb=1,
+                    volume_max=1)  # one volume of 1 MB: full after about 1 MB
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    srv.start(60)
+    try:
+        for name, value in srv.environ().items():
+            monkeypatch.setenv(name, value)
+        store = open_store(srv.url + "?attempts=1")
+        queue = _writeback(store)
+        keys = chunk_keys(list(range(8 * C)), "m1", "raw", C)
+        big = np.tile(kv(0), (1, 1, 1, 1, 256))  # ~260 KB raw: eight of them do not fit
+        for i, key in enumerate(keys):
+            assert queue.offer((key, i, big))
+            assert queue.flush(30)
+        stats = queue.stats()
+        assert stats["failed"] >= 1 and stats["stored"] >= 1 and stats["stored"] + stats["failed"] == len(keys)
+        with pytest.raises(StoreUnavailable, match="HTTP 5"):
+            store.put("fill/more", os.urandom(512 << 10))
+        queue.close(5)
+        store.close()
+    finally:
+        pid = srv.pid
+        srv.stop(grace_s=1)  # a full weed does not exit on SIGTERM
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
 
 
 class _Full(http.server.BaseHTTPRequestHandler):

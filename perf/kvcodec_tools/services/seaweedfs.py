@@ -47,9 +47,11 @@ class SeaweedS3:
     def __init__(self, root: Path, host: str = "127.0.0.1", access_key: Optional[str] = None,
                  secret_key: Optional[str] = None, bucket: str = "kvcodec", prefix: str = "kv",
                  base_port: Optional[int] = None, wrap: Wrap = None, volume_size_mb: int = 64,
-                 tls: Optional[Tuple[Path, Path]] = None, webdav: bool = False) -> None:
+                 tls: Optional[Tuple[Path, Path]] = None, webdav: bool = False,
+                 volume_max: Optional[int] = None) -> None:
         """``tls``: (certificate chain, private key) PEM files: S3 over HTTPS too, at ``https_endpoint``.
-        ``webdav``: also SeaweedFS's WebDAV server (no authentication) at ``webdav_url``, an HTTP store."""
+        ``webdav``: also SeaweedFS's WebDAV server (no authentication) at ``webdav_url``, an HTTP store.
+        ``volume_max`` (with ``volume_size_mb``): a store that fills up at about their product."""
         if not _BUCKET.match(bucket):
             raise ServiceError(f"S3 bucket name must be 3-63 characters of [a-z0-9.-], got {bucket!r}")
         if not _PREFIX.match(prefix):
@@ -65,6 +67,7 @@ class SeaweedS3:
         self.ports: Dict[str, int] = {name: self.base_port + i for i, name in enumerate(PORTS)}
         self.port = self.ports["s3"]
         self.wrap, self.volume_size_mb = wrap, int(volume_size_mb)
+        self.volume_max = volume_max
         self.run_dir = self.root / "seaweedfs"
         self.log = self.run_dir / "weed.log"
         listen_host = f"[{host}]" if ":" in host else host
@@ -101,7 +104,7 @@ class SeaweedS3:
                 f"-filer.localSocket={self.run_dir / 'filer.sock'}", f"-s3.localSocket={self.run_dir / 's3.sock'}",
                 f"-bucket={self.bucket}"] + (
                     [f"-s3.port.https={p['s3https']}", f"-s3.cert.file={self.tls[0]}", f"-s3.key.file={self.tls[1]}"]
-                    if self.tls else [])
+                    if self.tls else []) + ([f"-volume.max={int(self.volume_max)}"] if self.volume_max else [])
 
     def _answers(self) -> bool:
         """The S3 gateway answers a bucket listing (anonymous or signed with our key) with 200."""
@@ -144,9 +147,10 @@ class SeaweedS3:
         self._process.wait_ready(self._answers, timeout_s, [self.log])
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, up to ``grace_s`` to exit (a full weed may not), then SIGKILL to its group."""
         if self._process is not None:
-            self._process.stop()
+            self._process.stop(grace_s=grace_s)
 
     def __enter__(self) -> "SeaweedS3":
         return self.start()
