@@ -133,6 +133,10 @@ class FaultProxy:
             for conn in list(self._conns):
                 _reset(conn.writer)
                 _reset(conn.upstream)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             self._run(stop())

@@ -5,13 +5,14 @@ never answers, stalls after the first 200 kB, or relays the refusal of an nginx 
 
 The server runs as a user runs it (adaptive fetcher, a fetch_timeout_s of 20 s); one server serves
 every fault. For each fault the request gives the model's own tokens (prefill's), its TTFT is at
-most prefill's + max(2 s, the predicted prefill of the stored prefix) (prefill's TTFT measured in
-this run), and once the store is healed the stored chunks are reused again within two requests;
-the hung calls were released (none running, none abandoned) and the breaker is closed again, as the
-server's metrics say.
+most prefill's + max(2 s, the predicted prefill of the stored prefix) (prefill's TTFT measured just
+before, with reuse off, so that both see the same load), and once the store is healed the stored
+chunks are reused again within two requests; the hung calls were released (none running, none
+abandoned) and the breaker is closed again, as the server's metrics say.
 
 Margin for a noisy 2-core machine: the TTFT bound is widened by a quarter of prefill's TTFT plus
-1 s (``MARGIN``): the requests run on two cores shared with the store, the proxy and this test.
+1 s (``MARGIN``): the requests run on two cores shared with the store, the proxy and this test
+(and, on a developer's machine, whatever else runs).
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def test_a_sick_store_costs_at_most_one_prefill_and_reuse_comes_back(sick, fault
     nginx, proxy, client, ids, prefill = sick["nginx"], sick["proxy"], sick["client"], sick["ids"], sick["prefill"]
     healthy = client.generate(ids, TOKENS, reuse=True)
     assert healthy.reused_tokens == STORED and healthy.tokens == prefill.tokens  # the store works before
+    prefill = client.generate(ids, TOKENS, reuse=False)  # prefill's TTFT now
 
     if fault == "refused":
         nginx.stop()  # the proxy accepts; the store behind it refuses
@@ -118,6 +120,7 @@ def test_the_breaker_skips_a_dead_store_without_waiting(sick):
     """While the store stays dead (accepting, never answering), requests after the first skip it at
     once: their TTFT is prefill's, and the proxy sees no new connection from them (a probe aside)."""
     proxy, client, ids, prefill = sick["proxy"], sick["client"], sick["ids"], sick["prefill"]
+    prefill = client.generate(ids, TOKENS, reuse=False)  # prefill's TTFT now
     proxy.set_mode("blackhole")
     try:
         first = client.generate(ids, TOKENS, reuse=True)

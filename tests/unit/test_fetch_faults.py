@@ -32,6 +32,10 @@ class SickStore(MemoryStore):
         self.hang_get, self.hang_exists, self.fail = set(), False, False
         self.release = threading.Event()
         self.calls = {"exists": 0, "get": 0}
+        self.dropped = 0
+
+    def drop_connections(self):
+        self.dropped += 1
 
     def exists(self, key):
         self.calls["exists"] += 1
@@ -118,9 +122,10 @@ def test_the_breaker_skips_a_dead_store_at_once_and_a_probe_lets_it_back(context
     (skipped, _), = list(f.fetch(ids, "b"))  # within the cooldown: not a single store call
     assert "store skipped: its circuit breaker is open" in skipped.reason and "connection refused" in skipped.reason
     assert store.calls == calls and skipped.store["breaker"] == "open" and skipped.store["opened"] == 1
+    assert store.dropped == 1  # the connections of the sick spell are not reused
     time.sleep(0.3)
     (probed, _), = list(f.fetch(ids, "c"))  # the store still dead: the probe fails, cooldown doubles
-    assert "store skipped" in probed.reason and f.calls.breaker.cooldown_s == 0.6
+    assert "store skipped" in probed.reason and f.calls.breaker.cooldown_s == 0.6 and store.dropped == 2
     store.fail = False  # healed
     time.sleep(0.6)
     fetched = list(f.fetch(ids, "d"))  # the first request after the cooldown probes and reuses

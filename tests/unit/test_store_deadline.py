@@ -18,10 +18,11 @@ pytestmark = pytest.mark.timeout(60)
 
 class SickServer:
     """Accepts; ``mode`` ``silent`` reads and never answers, ``trickle`` sends a 200 answer one
-    byte every 50 ms, ``ok`` answers 404 at once. Counts connections that the client closed."""
+    byte every 50 ms, ``ok`` answers each request 404 at once. Counts connections accepted and
+    those that the client closed."""
 
     def __init__(self) -> None:
-        self.mode, self.closed_by_client = "silent", 0
+        self.mode, self.closed_by_client, self.accepted = "silent", 0, 0
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self._stop = threading.Event()
@@ -33,15 +34,17 @@ class SickServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            self.accepted += 1
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
             try:
-                conn.recv(65536)
-                if self.mode == "ok":
+                data = conn.recv(65536)
+                while self.mode == "ok" and data:  # keep-alive: one answer per request
                     conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
-                elif self.mode == "trickle":
+                    data = conn.recv(65536)
+                if self.mode == "trickle":
                     for b in b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100000:
                         conn.sendall(bytes([b]))
                         if self._stop.wait(0.05):
@@ -123,5 +126,24 @@ def test_a_refused_connection_is_an_error_at_once():
         with deadline.call_deadline(t0 + 10), pytest.raises(StoreUnavailable, match="unreachable"):
             store.exists("k")
         assert time.monotonic() - t0 < 0.5
+    finally:
+        store.close()
+
+
+def test_drop_connections_closes_each_connection_at_its_next_use(sick):
+    """The fetcher calls it when the store's breaker opens: a connection of a sick spell is not reused."""
+    sick.mode = "ok"
+    store = HttpStore(f"http://127.0.0.1:{sick.port}/kv")
+    try:
+        assert store.exists("k") is False and store.exists("k") is False
+        assert sick.accepted == 1  # kept alive
+        store.drop_connections()
+        assert store.exists("k") is False
+        assert sick.accepted == 2
+        for _ in range(50):
+            if sick.closed_by_client:
+                break
+            time.sleep(0.02)
+        assert sick.closed_by_client == 1
     finally:
         store.close()

@@ -17,7 +17,9 @@ and fed to the store's circuit breaker (``serving.breaker``).
 
 The breaker hears every call that ends with an answer (success, a miss too), every
 ``StoreUnavailable`` (failure), and one failure per ``wait`` that timed out; calls abandoned by their
-request are not heard when they end (their request already counted them).
+request are not heard when they end (their request already counted them). Each time it opens, the
+store's ``drop_connections()`` is called, where the store has one (HTTP): connections made during a
+sick spell are not reused once the store heals.
 """
 from __future__ import annotations
 
@@ -87,7 +89,18 @@ class StoreCalls:
         if error is None:
             self.breaker.success()
         else:
+            self._failed(error)
+
+    def _failed(self, error: str, probe: bool = False) -> None:
+        opened = self.breaker.opened
+        if probe:
+            self.breaker.probe_done(False, error)
+        else:
             self.breaker.failure(error)
+        if self.breaker.opened != opened:
+            drop = getattr(self.store, "drop_connections", None)
+            if drop is not None:
+                drop()
 
     def wait(self, futures: Sequence[Future], at: Optional[float], what: str) -> List[Any]:
         out = []
@@ -96,7 +109,7 @@ class StoreCalls:
                 out.append(f.result(timeout=None if at is None else max(0.0, at - time.monotonic())))
         except FutureTimeout:
             self.abandon(futures)
-            self.breaker.failure(f"{what}: no answer in time")
+            self._failed(f"{what}: no answer in time")
             raise StoreTimeout(f"the store did not answer the {what} in time") from None
         except BaseException:
             self.abandon(futures)
@@ -135,7 +148,7 @@ class StoreCalls:
             with call_deadline(time.monotonic() + PROBE_TIMEOUT_S):
                 self.store.exists(PROBE_KEY)
         except Exception as exc:  # any failure keeps the store out
-            self.breaker.probe_done(False, f"probe: {exc}")
+            self._failed(f"probe: {exc}", probe=True)
         else:
             self.breaker.probe_done(True)
 

@@ -116,6 +116,7 @@ class HttpStore(KVStore):
         self._all: List[_Connection] = []
         self._closed = False
         self._reaper = call_deadline.Reaper("kv-http-reaper")
+        self._generation = 0  # connections made before the last drop_connections() are not reused
 
     @classmethod
     def from_url(cls, url: str, ca_file: Optional[str] = None) -> "HttpStore":
@@ -254,13 +255,23 @@ class HttpStore(KVStore):
         if self._closed:
             raise StoreUnavailable(f"HTTP store {self.url} is closed")
         conn = getattr(self._local, "conn", None)
+        if conn is not None and getattr(conn, "generation", 0) != self._generation:
+            self._drop(conn)  # made before drop_connections(): not trusted
+            conn = None
         if conn is None:
             conn = (_Connection(self.host, self.port, self.connect_timeout_s, self.timeout_s) if self._tls is None
                     else _TlsConnection(self.host, self.port, self.connect_timeout_s, self.timeout_s, self._tls))
+            conn.generation = self._generation
             with self._lock:
                 self._all.append(conn)
             self._local.conn = conn
         return conn
+
+    def drop_connections(self) -> None:
+        """Connections made until now are closed at their next use, never reused (the fetcher calls
+        this when the store's circuit breaker opens: a connection of a sick spell may stay sick)."""
+        with self._lock:
+            self._generation += 1
 
     def _drop(self, conn: _Connection) -> None:
         conn.close()
