@@ -146,6 +146,14 @@ def test_a_second_put_is_refused_by_the_server_not_stored_again(s3):
 
 
 @pytest.mark.timeout(30)
+def test_dropped_connections_are_replaced(s3):
+    s3.put(KEY, b"kept")
+    first = s3._s3()
+    s3.drop_connections()  # what the fetcher does when the store's breaker opens
+    assert s3.get(KEY) == b"kept" and s3._s3() is not first
+
+
+@pytest.mark.timeout(30)
 def test_scan_lists_keys_sizes_and_times(s3):
     keys = [KEY, KEY[:-1] + "2"]
     for i, k in enumerate(keys):

@@ -279,6 +279,12 @@ class S3Store(KVStore):
         except (bx.BotoCoreError, OSError) as exc:
             raise self._fail("LIST", lead or "/", exc) from None
 
+    def drop_connections(self) -> None:
+        """Calls from now on use a new client and pool (the fetcher calls this when the store's
+        circuit breaker opens: a connection of a sick spell may stay sick); the old client is
+        closed, so its calls still running fail at once as unavailable."""
+        self.close()
+
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
