@@ -121,6 +121,8 @@ class ChunkSaver:
             if key not in replace and self.store.exists(key):
                 continue
             data, encode_s, _ = self.encode(scheme, kv, key, index, start)
+            if key in replace:
+                self.store.delete(key)  # a corrupt copy: a create-only store (S3's conditional put) keeps it else
             self.store.put(key, data)
             written += 1
             log.info("write-back: chunk %d at %s (%d bytes) in %.2f s", index, rung_name(scheme), len(data), encode_s)

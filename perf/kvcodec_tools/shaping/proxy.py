@@ -118,7 +118,7 @@ def start_proxy(target: tuple[str, int], rate_mbit: Optional[float], delay_ms: f
                 detach: bool = False) -> tuple[Process, int]:
     """Start a proxy child in front of ``target``; (its process, the port it listens on at
     127.0.0.1). A detached one leads its own session and outlives this process."""
-    argv = [sys.executable, "-m", "perf.shaping", "proxy", "--target", f"{target[0]}:{target[1]}",
+    argv = [sys.executable, "-m", "kvcodec_tools.shaping", "proxy", "--target", f"{target[0]}:{target[1]}",
             "--delay-ms", str(delay_ms)]
     if rate_mbit is not None:
         argv += ["--rate-mbit", str(rate_mbit)]
@@ -137,7 +137,8 @@ def start_proxy(target: tuple[str, int], rate_mbit: Optional[float], delay_ms: f
 def _child_env() -> dict:
     env = dict(os.environ)
     root = Path(__file__).resolve().parents[3]  # the repository: kvcodec_tools under perf/, kvcodec under backends/
-    paths = [str(root / "perf"), str(root / "backends"), str(root / "clients")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    paths = [str(root / "perf"), str(root / "backends"), str(root / "clients")]
+    paths += [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
