@@ -2,11 +2,15 @@
 rendered with ``kvcodec repository --instances kv_fetch=2,kv_decode=2,kv_restore=2`` (llm stays
 one instance: a request's chunks meet in it, see ``model_repository/llm/1/model.py``), asked by
 8 clients at once over gRPC and HTTP, reuse and prefill mixed; every answer equals the same request
-made alone, and nothing stays queued."""
+made alone, nothing stays queued, and every instance served: each stub's CPU time under the load
+(the scheduler's per-thread account) is well above what it spends idle over as long."""
 from __future__ import annotations
 
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -37,9 +41,29 @@ def scaled(settings, tokenizer, tmp_path_factory):
         }
 
 
-def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in ticks of 1/100 s
+IDLE_S = 3.0  # the window that measures what a stub spends idle (a timer wakes it about once a second)
+BUSY_OVER_IDLE = 3.0  # an instance that served requests spent this many times its idle CPU, at least
+BUSY_MIN_MS = 8.0  # and at least this (one request costs kv_fetch ~10 ms here; an idle stub ~0.1 ms/s)
+
+
+def _cpu_ms(pid: int) -> float:
+    """The CPU time of all the process's threads, in ms: the scheduler's nanosecond account
+    (``/proc/PID/task/*/schedstat``), not ``stat``'s 10 ms ticks, which a kv_fetch serving a few
+    requests barely moves."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e6
+
+
+def _cpu_over(stubs: dict, run) -> tuple:
+    """({instance: CPU ms of its stub while ``run()`` ran}, seconds it ran)."""
+    before, t0 = {name: _cpu_ms(pid) for name, pid in stubs.items()}, time.monotonic()
+    run()
+    return {name: round(_cpu_ms(pid) - before[name], 2) for name, pid in sorted(stubs.items())}, time.monotonic() - t0
 
 
 def test_several_instances_of_each_step_answer_concurrent_clients_as_alone(scaled):
@@ -57,14 +81,21 @@ def test_several_instances_of_each_step_answer_concurrent_clients_as_alone(scale
     alone = {spec: ask(spec) for spec in asks}
     for (protocol, prompt, reuse), result in alone.items():
         assert result.reused_tokens == (768 if prompt == "stored" and reuse else 0), (protocol, prompt, reuse)
-    cpu_before = {name: _cpu_s(pid) for name, pid in stubs.items()}
+    idle, idle_s = _cpu_over(stubs, lambda: time.sleep(IDLE_S))  # measured, not assumed: nothing runs
     load = asks * 2  # 12 requests, 8 at a time
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        together = list(pool.map(ask, load))
+    together = []
+
+    def run_load():
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            together.extend(pool.map(ask, load))
+
+    busy, busy_s = _cpu_over(stubs, run_load)
     for spec, result in zip(load, together, strict=True):
         assert (result.tokens, result.reused_tokens) == (alone[spec].tokens, alone[spec].reused_tokens), spec
-    busy = {name: round(_cpu_s(pid) - cpu_before[name], 2) for name, pid in sorted(stubs.items())}
-    print(f"CPU seconds per stub under the load: {busy}")
+    print(f"CPU ms per stub: idle {idle} in {idle_s:.1f} s; under the load {busy} in {busy_s:.1f} s")
+    for name in stubs:  # every instance served: a stub left out would spend about its idle rate
+        floor = max(BUSY_MIN_MS, BUSY_OVER_IDLE * idle[name] / idle_s * busy_s)
+        assert busy[name] > floor, (name, busy[name], floor, busy)
     assert all(v == 0 for v in pending(metrics).values())
     assert set(stub_pids(server.pid)) == set(stubs)  # every instance still there
 
