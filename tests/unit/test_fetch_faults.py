@@ -179,3 +179,17 @@ def test_a_link_estimate_made_too_slow_heals_by_a_background_probe(context, sick
 def test_the_probe_key_is_a_valid_key_that_is_never_stored(sick):
     store, _ = sick
     assert store.exists(PROBE_KEY) is False
+
+
+def test_a_request_that_names_its_rungs_is_held_to_the_fetch_timeout_only(context, sick):  # noqa: F811
+    """A benchmark's baseline asks for a rung however slow it is: no budget, no patience."""
+    ids, _ = context
+    store, keys = sick
+    store.hang_get = {keys[0]}
+    f = Fetcher(store, MODEL, ["int8-zstd"], CHUNK, costs=costs(1e-3), adaptive=True, timeout_s=2.5)
+    t0 = time.monotonic()
+    fetched = list(f.fetch(ids, "s", codecs=["int8-zstd"]))
+    took = time.monotonic() - t0
+    f.close()
+    assert fetched[0][0].status == "timeout" and "the fetch deadline of 2.5s" in fetched[0][0].reason
+    assert 2.4 < took < 3.5, took  # not the 1.6 s budget of a request the server chooses for

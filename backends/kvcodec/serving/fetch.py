@@ -29,6 +29,8 @@ time. A sick store costs a request at most about one prefill of what it stores:
   ``prefill(chunks i..) - predicted fetch(chunks after i)`` (at least ``MIN_PATIENCE_S``);
 - a store that does not answer in time ends reuse at that chunk with status ``timeout``; one that
   refuses or errs, with ``error``, at once. The model computes the rest.
+A request that names its rungs (``codecs``: a baseline of a benchmark) asked for them however slow
+they are: it is held to ``timeout_s`` only (the breaker still keeps it off a dead store).
 
 Every store call runs on ``serving.calls.StoreCalls``: a fixed pool per store, each call inside
 the request's deadline (``store.deadline``: a network store cuts the call and closes its socket
@@ -216,7 +218,7 @@ class Fetcher:
         store = self.calls.snapshot()  # the store's calls and breaker as this request came
         if reuse and not reason:
             longest = reusable_chunks(len(ids), self.chunk_tokens) * self.chunk_tokens
-            lookup_by = t0 + self.give_up_s(longest)
+            lookup_by = t0 + (self.timeout_s if codecs else self.give_up_s(longest))
             try:
                 schemes = parse_ladder(list(codecs), self.card) if codecs else None
                 plan = self.plan(ids, schemes, lookup_by)
@@ -230,7 +232,7 @@ class Fetcher:
             yield info, b""
             return
         n = plan.n_chunks
-        give_up = self.give_up_s(n * self.chunk_tokens)
+        give_up = self.timeout_s if codecs else self.give_up_s(n * self.chunk_tokens)
         store_by = t0 + give_up
         budget = (f"the fetch deadline of {self.timeout_s:g}s" if give_up >= self.timeout_s else
                   f"the request's store budget of {give_up:.2f}s (the predicted prefill of the prefix)")
