@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import av
 import numpy as np
@@ -155,6 +154,34 @@ class RecordingStore:
             self.order.append(key)
 
 
+class Overlap:
+    """Counts the real ``ChunkEncoder.encode`` calls in flight: ``peak`` is the most at once. With
+    ``meet=n`` the first ``n`` calls wait (up to 10 s) until ``n`` run together, so an ingest that
+    encodes one chunk at a time fails (``BrokenBarrierError``) instead of passing by luck."""
+
+    def __init__(self, monkeypatch, meet: int = 0):
+        from kvcodec.encode import ChunkEncoder
+
+        real, self.lock, self.running, self.peak, self.calls = ChunkEncoder.encode, threading.Lock(), 0, 0, 0
+        barrier = threading.Barrier(meet, timeout=10) if meet > 1 else None
+
+        def encode(encoder, *args):
+            with self.lock:
+                self.running += 1
+                self.calls += 1
+                self.peak = max(self.peak, self.running)
+                first = self.calls <= meet
+            try:
+                if barrier is not None and first:
+                    barrier.wait()
+                return real(encoder, *args)
+            finally:
+                with self.lock:
+                    self.running -= 1
+
+        monkeypatch.setattr(ChunkEncoder, "encode", encode)
+
+
 def _ingest(workers, rungs=("int8-zstd", "raw"), chunks=5, store=None, engine=None):
     from kvcodec.format.ladder import parse_ladder
 
@@ -165,9 +192,21 @@ def _ingest(workers, rungs=("int8-zstd", "raw"), chunks=5, store=None, engine=No
     return store, report, done
 
 
-def test_chunk_workers_store_the_same_chunks_in_the_same_order():
+def test_chunk_workers_encode_side_by_side(monkeypatch):
+    """Two workers run two encodes at once (a serial ingest breaks the barrier); one never does."""
+    two = Overlap(monkeypatch, meet=2)
+    _ingest(2)
+    assert two.peak == 2 and two.calls == 10
+    one = Overlap(monkeypatch)
+    _ingest(1)
+    assert one.peak == 1 and one.calls == 10
+
+
+def test_chunk_workers_store_the_same_chunks_in_the_same_order(monkeypatch):
     one, r1, p1 = _ingest(1)
+    overlap = Overlap(monkeypatch, meet=2)  # the same bytes although encodes really overlap
     two, r2, p2 = _ingest(2)
+    assert overlap.peak == 2
     three, r3, _ = _ingest(3)
     assert one.data == two.data == three.data  # byte for byte: the same chunks under the same keys
     assert one.order == two.order == three.order  # stored in chunk order, rung by rung
@@ -205,41 +244,22 @@ def test_an_encode_error_in_a_worker_reaches_the_caller(monkeypatch):
     assert len(store.order) <= 2 * 2  # only chunks before the broken one were stored
 
 
-def test_workers_default_and_setting(monkeypatch):
+@pytest.mark.parametrize("setting, workers, want", [("0", None, default_workers()), ("1", None, 1), ("2", None, 2),
+                                                     ("1", 2, 2)])
+def test_workers_default_and_setting(monkeypatch, tmp_path, setting, workers, want):
+    """``ingest_rungs`` (the CLI's ingest) runs as many encoders at once as the ``ingest_workers``
+    setting says (0: ``default_workers()``, 1 or 2 on these machines), or its ``workers`` argument."""
+    from kvcodec.settings import Settings
+
     assert 1 <= default_workers() <= 2
-    seen = {}
-
-    def fake_ingest(engine, store, ids, schemes, chunk_tokens, **kw):
-        seen["workers"] = kw["workers"]
-
-    from kvcodec import ingest as ingest_mod
-
-    monkeypatch.setattr(ingest_mod, "ingest", fake_ingest)
-
-    @dataclass
-    class Settings:  # what ingest_rungs reads of kvcodec.settings.Settings, plus the new setting
-        ladder: tuple = ("int8-zstd",)
-        store: str = "memory://unit-encode-speed"
-        chunk_tokens: int = 256
-        threads: int = 0
-        key_file: str = ""
-        ingest_workers: int = 0
-
-    class Engine:
-        card = None
-
-        @staticmethod
-        def geometry(tokens):
-            return type("G", (), {"fp16_bytes": 1})()
-
-    monkeypatch.setattr("kvcodec.format.auth.load_auth", lambda path: AUTH)
-    monkeypatch.setattr("kvcodec.serving.costs.for_settings", lambda settings, fp16: None)
-    ingest_rungs(Settings(), Engine(), [1, 2, 3])
-    assert seen["workers"] == default_workers()
-    ingest_rungs(Settings(), Engine(), [1, 2, 3], workers=3)
-    assert seen["workers"] == 3
-    ingest_rungs(Settings(ingest_workers=1), Engine(), [1, 2, 3])
-    assert seen["workers"] == 1
+    settings = Settings.load({"home": str(tmp_path), "store": f"memory://unit-workers-{setting}-{workers}",
+                              "ingest_workers": setting, "ladder": "int8-zstd,raw"}, env={})
+    engine = ChunkEngine()
+    engine.card = None  # unbound rungs: int8-zstd and raw need no codec profile
+    engine.geometry = lambda tokens: type("G", (), {"fp16_bytes": 2 * 4 * 2 * 3 * 64 * tokens})()
+    overlap = Overlap(monkeypatch, meet=want)
+    report = ingest_rungs(settings, engine, list(range(256 * 4)), workers=workers)
+    assert report.written == 8 and overlap.calls == 8 and overlap.peak == want
 
 
 def test_video_ingest_times_whole_ingests_per_rung_and_workers():
