@@ -381,16 +381,22 @@ def cmd_bench_ttft(args) -> int:
                      Path(args.plot) if args.plot else None)
 
 
-def cmd_bench_concurrency(args) -> int:
-    from kvcodec_tools.concurrency import ConcurrencyConfig, run_concurrency
+def concurrency_config(args):
+    """The ``ConcurrencyConfig`` of ``kvcodec bench concurrency``'s flags (one line on a bad value)."""
+    from kvcodec_tools.concurrency import ConcurrencyConfig
 
     try:
-        config = ConcurrencyConfig(args.clients, requests=args.requests, context_tokens=args.context_tokens,
-                                   contexts=args.contexts, max_tokens=args.max_tokens,
-                                   threads=args.threads if args.threads is not None else 2)
+        return ConcurrencyConfig(args.clients, requests=args.requests, context_tokens=args.context_tokens,
+                                 contexts=args.contexts, max_tokens=args.max_tokens,
+                                 threads=args.threads if args.threads is not None else 2)
     except ValueError as exc:
         raise SystemExit(f"kvcodec bench concurrency: {exc}") from None
-    return run_concurrency(_settings(args), Path(args.model_repository), config, Path(args.json),
+
+
+def cmd_bench_concurrency(args) -> int:
+    from kvcodec_tools.concurrency import run_concurrency
+
+    return run_concurrency(_settings(args), Path(args.model_repository), concurrency_config(args), Path(args.json),
                            Path(args.plot) if args.plot else None)
 
 

@@ -4,10 +4,12 @@ existing JSON, and the plot of two engines. No server."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from kvcodec_tools.cli import build_parser
+from kvcodec.settings import Settings
+from kvcodec_tools.cli import _settings, build_parser, concurrency_config
 from kvcodec_tools.concurrency import (
     ConcurrencyConfig,
     Sample,
@@ -18,6 +20,9 @@ from kvcodec_tools.concurrency import (
     read_json,
     summarize,
 )
+from kvcodec_tools.tritonserver import Ports, TritonServer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sample(mode, ttft, total=1.0, match=True, error="", client=0, prompt=0):
@@ -112,12 +117,17 @@ def test_plot_of_two_engines_writes_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_cli_takes_the_documented_flags():
-    args = build_parser().parse_args(["bench", "concurrency", "--engine", "vllm", "--clients", "1,2", "--requests",
-                                      "2", "--context-tokens", "300", "--json", "c.json", "--plot", "c.png",
-                                      "--home", "h", "--threads", "1"])
-    assert (args.engine, args.clients, args.requests, args.context_tokens) == ("vllm", [1, 2], 2, 300)
-    assert (args.json, args.plot, args.home, args.threads) == ("c.json", "c.png", "h", 1)
-    defaults = build_parser().parse_args(["bench", "concurrency"])
-    assert (defaults.clients, defaults.requests, defaults.context_tokens) == ([1, 4, 8], 4, 600)
-    assert defaults.json.endswith("perf/results/concurrency.json")
+def test_the_command_runs_the_benchmark_its_flags_describe(tmp_path):
+    """What ``kvcodec bench concurrency`` hands to ``run_concurrency``: the config its flags build
+    (its defaults are the library's; the one-client baseline always added) and the settings whose
+    engine and threads the server it starts is given."""
+    parse = build_parser().parse_args
+    assert concurrency_config(parse(["bench", "concurrency"])) == ConcurrencyConfig([1, 4, 8])
+    config = concurrency_config(parse(["bench", "concurrency", "--clients", "2", "--requests", "2",
+                                       "--context-tokens", "300", "--threads", "1"]))
+    assert (config.clients, config.requests, config.context_tokens, config.threads) == ([1, 2], 2, 300, 1)
+    with pytest.raises(SystemExit, match="^kvcodec bench concurrency: clients must be counts >= 1, got \\[0\\]$"):
+        concurrency_config(parse(["bench", "concurrency", "--clients", "0"]))
+    args = parse(["bench", "concurrency", "--engine", "vllm", "--home", str(tmp_path), "--threads", "1"])
+    env = TritonServer(REPO / "model_repository", _settings(args), Ports()).environment()
+    assert Settings.load(env=env).engine == "vllm" and Settings.load(env=env).threads == 1  # what llm loads
