@@ -18,7 +18,6 @@ from dataclasses import replace
 
 import pytest
 
-from kvcodec_tools.cli import build_parser
 from kvcodec_tools.tritonserver import STUB, Stub, stubs_of
 from kvcodec_tools.watchdog import Restart, Watchdog
 
@@ -222,12 +221,6 @@ def test_the_watchdog_needs_a_running_server():
         Watchdog(server).start()
     with pytest.raises(ValueError, match="max_restarts"):
         Watchdog(server, max_restarts=0)
-
-
-def test_serve_has_the_watchdog_on_by_default():
-    parser = build_parser()
-    assert parser.parse_args(["serve"]).watchdog is True
-    assert parser.parse_args(["serve", "--no-watchdog"]).watchdog is False
 
 
 # -- kvcodec_tools.tritonserver's stub listing, against processes that look like stubs ---------------------
