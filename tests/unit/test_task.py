@@ -191,17 +191,6 @@ def test_run_task_refuses_bad_configs():
         run_task(StandInEngine(), TaskConfig(codecs=["raw", "raw"], samples=1, context_tokens=512), log=lambda m: None)
 
 
-def test_parser():
-    args = cli.build_parser().parse_args(["eval-task", "--task", "passkey", "--codec", "video:7,transform-zstd:160",
-                                          "--samples", "10", "--context-tokens", "512", "--json"])
-    assert args.func is cli.cmd_eval_task
-    assert (args.task, args.codec, args.samples, args.context_tokens) == ("passkey", ["video:7", "transform-zstd:160"],
-                                                                          10, 512)
-    assert args.json is True and args.out is None and args.seed == 0
-    args = cli.build_parser().parse_args(["eval-task"])
-    assert (args.codec, args.samples, args.context_tokens, args.json) == (["video"], 100, 1024, False)
-
-
 def test_the_command_prints_one_json_object_and_writes_it(standin, tmp_path, capsys):
     out = tmp_path / "res" / "task.json"
     rc = cli.main(["eval-task", "--engine", standin, "--home", str(tmp_path), "--task", "passkey",
