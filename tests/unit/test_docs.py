@@ -1,5 +1,5 @@
-"""The docs say only what exists: every ``kvcodec ...`` command line in a code block of README.md
-and docs/*.md parses with the real parser and names only flags that subcommand has; every
+"""The docs say only what exists: every ``kvcodec ...`` command line in a code block of README.md,
+docs/*.md and perf/results/README.md parses with the real parser and names only flags that subcommand has; every
 ``make TARGET`` they name is a target of the Makefile; every relative link points at a file; and
 the settings table of docs/deploy.md equals the one generated from the code.
 
@@ -21,7 +21,7 @@ from kvcodec_tools import settings_table
 from kvcodec_tools.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "perf" / "results" / "README.md"]
 KVCODEC_PROGRAMS = ("kvcodec", ".venv/bin/kvcodec", ".venv-vllm/bin/kvcodec")
 
 
