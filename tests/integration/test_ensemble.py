@@ -217,11 +217,27 @@ def test_cli_generate_json(settings, server, context_a, prefill_a, tokenizer, tm
     assert no_reuse["reused_tokens"] == 0 and no_reuse["tokens"] == prefill_a.tokens[:2]
 
 
-def test_metrics_report_reuse_and_fallbacks(server, grpc, context_a, prefill_a):
-    grpc.generate(context_a[1], 2, reuse=True)
+def _kvcodec_metrics(server) -> dict:
+    """``{'name{labels}': value}`` of the kvcodec_* samples on the server's metrics endpoint."""
     with urllib.request.urlopen(f"http://{server.host}:{server.ports.metrics}/metrics", timeout=10) as r:
         text = r.read().decode()
-    assert 'kvcodec_requests_total{outcome="reuse"}' in text
-    assert 'kvcodec_requests_total{outcome="prefill"}' in text
-    reused = [line for line in text.splitlines() if line.startswith("kvcodec_reused_tokens_total")]
-    assert reused and float(reused[0].split()[-1]) >= 512
+    return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
+            if line.startswith("kvcodec_")}
+
+
+def test_metrics_count_each_request_by_outcome(server, grpc, context_a, prefill_a):
+    """One reuse and one prefill request move the counters by exactly what they did (the module's
+    requests run one at a time, so nothing else moves them meanwhile)."""
+    before = _kvcodec_metrics(server)
+    reuse = grpc.generate(context_a[1], 2, reuse=True)
+    grpc.generate(context_a[1], 2, reuse=False)
+    after = _kvcodec_metrics(server)
+
+    def grew(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert reuse.reused_tokens == 512
+    assert grew('kvcodec_requests_total{outcome="reuse"}') == 1
+    assert grew('kvcodec_requests_total{outcome="prefill"}') == 1
+    assert grew("kvcodec_reused_tokens_total") == 512
+    assert grew("kvcodec_fetched_bytes_total") == reuse.stats["bytes_fetched"] > 0
