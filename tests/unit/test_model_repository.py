@@ -168,10 +168,16 @@ def test_the_gpu_variant_moves_decode_restore_and_llm_to_the_gpu_and_nothing_els
 
 
 def test_the_variants_parameters_are_all_read_by_the_steps():
-    """A step's parameters become Settings (unknown keys are errors); Triton's own are left out."""
-    for cfg in variant_configs(REPO, "gpu").values():
-        Settings.load({k: v.string_value for k, v in cfg.parameters.items() if k not in TRITON_OWN_PARAMETERS},
-                      env={})
+    """A step's parameters become Settings (unknown keys are errors) with the values the config
+    gives; Triton's own are left out."""
+    read = []
+    for name, cfg in variant_configs(REPO, "gpu").items():
+        params = {k: v.string_value for k, v in cfg.parameters.items() if k not in TRITON_OWN_PARAMETERS}
+        env = Settings.load(params, env={}).environ()
+        for key, value in params.items():
+            assert env[f"KVCODEC_{key.upper()}"] == value, (name, key, value)
+            read.append((name, key))
+    assert ("kv_decode", "decoder") in read  # the gpu variant's NVDEC
 
 
 def test_an_unknown_variant_is_a_config_error(tmp_path):
