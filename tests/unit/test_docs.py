@@ -239,6 +239,19 @@ def test_relative_links_point_at_files(path):
     assert not broken, f"{path.name}: links to nothing: {broken}"
 
 
+def code_sources() -> str:
+    roots = [REPO / "backends", REPO / "perf" / "kvcodec_tools", REPO / "model_repository", REPO / "clients"]
+    return "\n".join(p.read_text() for root in roots for p in sorted(root.rglob("*.py")))
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_each_kvcodec_variable_the_docs_name_is_read_by_the_code(path):
+    code = code_sources()
+    named = set(re.findall(r"\b(KVCODEC_[A-Z0-9_]*[A-Z0-9])\b", path.read_text()))
+    unknown = sorted(v for v in named if v not in code)
+    assert not unknown, f"{path.name} names variables no code reads: {unknown}"
+
+
 def test_the_settings_table_in_deploy_md_is_the_codes():
     path = REPO / "docs" / "deploy.md"
     text = path.read_text()
