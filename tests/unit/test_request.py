@@ -43,7 +43,10 @@ def test_two_dimensional_ids_are_a_bad_request():
 
 
 def test_the_last_vocabulary_id_and_the_full_context_are_accepted():
-    req(ids=[999] * 508, max_tokens=4).validate(CARD)
+    full = req(ids=[999] * 508, max_tokens=4)  # 508 + 4 = the card's 512
+    assert full.validate(CARD) is full and full.ids.tolist() == [999] * 508
+    with pytest.raises(BadRequest):
+        req(ids=[999] * 508, max_tokens=5).validate(CARD)  # one past the context
 
 
 @pytest.mark.parametrize("spec, want", [(None, None), ("", None), (" , ", None), (" raw , video:8 ", ["raw", "video:8"])])
