@@ -4,8 +4,9 @@ and fed to the store's circuit breaker (``serving.breaker``).
 ``StoreCalls(store, threads, breaker)``:
 
 - ``submit(fn, *args, deadline=at) -> Future``: runs ``fn(*args)`` on one of ``threads`` threads
-  inside ``store.deadline.call_deadline(at)``, so a network store ends the call by ``at`` (its
-  socket closed, never reused). The pool never grows: a call waits in the queue for a free thread.
+  inside ``store.deadline.call_deadline(at + CUT_GRACE_S)``, so a network store ends the call then
+  (its socket closed, never reused), just after its waiter has given up (a hang reads as a timeout,
+  not as the error of the cut). The pool never grows: a call waits in the queue for a free thread.
 - ``wait(futures, at, what) -> list``: their results in order. A call's ``StoreUnavailable`` is
   raised (the calls not yet started are cancelled). At ``at`` it raises ``StoreTimeout``: queued
   calls are cancelled, running ones are abandoned (counted until their own deadline ends them).
@@ -36,6 +37,7 @@ from .breaker import Breaker
 
 PROBE_KEY = "kvcodec-probe"  # never stored: the probe's answer (a miss) only shows the store answers
 PROBE_TIMEOUT_S = 2.0
+CUT_GRACE_S = 0.1
 
 
 class _Call:
@@ -65,7 +67,7 @@ class StoreCalls:
                 self._running += 1
             error: Optional[str] = None
             try:
-                with call_deadline(deadline):
+                with call_deadline(None if deadline is None else deadline + CUT_GRACE_S):
                     return fn(*args)
             except StoreUnavailable as exc:
                 error = str(exc) or "store unavailable"
