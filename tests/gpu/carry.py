@@ -64,10 +64,11 @@ OLD_FRAMES, NEW_FRAMES = "video", "video-tiled"  # one small frame per plane; fe
 RAW_RUNG, VIDEO_RUNGS = "raw", ("lossless8", "video-q8", OLD_FRAMES, NEW_FRAMES)
 RUNGS = (RAW_RUNG,) + VIDEO_RUNGS
 CHUNK_TOKENS = 256  # the deployment's default (NVDEC takes no picture side under 144)
-# (chunks, tokens a chunk) per rung, sized to fit 64 MiB: a raw chunk is float32 (47 KB a token)
-# and this model's KV is noise to a video codec (a 256-token chunk is 2.3 to 3.3 MB at every rung)
-CHUNKS = {"raw": (1, 128), "lossless8": (1, CHUNK_TOKENS), "video-q8": (1, CHUNK_TOKENS),
-          OLD_FRAMES: (2, CHUNK_TOKENS), NEW_FRAMES: (2, CHUNK_TOKENS)}
+# (chunks, tokens a chunk) per rung, sized to fit 64 MiB with room for the tree to grow: a raw chunk
+# is float32 (47 KB a token) and this model's KV is noise to a video codec (a 256-token chunk is 1.8
+# to 3.3 MB at every rung)
+CHUNKS = {"raw": (1, 64), "lossless8": (1, CHUNK_TOKENS), "video-q8": (1, CHUNK_TOKENS),
+          OLD_FRAMES: (1, CHUNK_TOKENS), NEW_FRAMES: (1, CHUNK_TOKENS)}
 # the stage folder: nvCOMP's wheels and the entropy-coded rungs' chunks (label -> rung, codec params)
 STAGE = ".gpu-carry-nvcomp"
 STAGE_FORMAT = "kvcodec-gpu-stage/1"

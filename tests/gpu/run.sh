@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 CARRY=${GPU_CARRY:-.gpu-carry}
 STAGE=${GPU_STAGE:-.gpu-carry-nvcomp}
-LIMIT_S=470  # the checks' budgets (gpu_checks.BUDGETS) add up to 435 s
+LIMIT_S=450  # the checks' budgets (gpu_checks.BUDGETS) add up to 385 s
 
 dry_run() {
     local py=${PYTHON:-.venv/bin/python} t0=$SECONDS rc
