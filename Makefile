@@ -140,7 +140,8 @@ soak: setup
 		--json perf/results/reliability-vllm.json --plot perf/results/reliability-vllm.png
 
 # Prepares and checks what tests/gpu/run.sh carries to a GPU machine (.gpu-carry/: the PyNvVideoCodec
-# wheel, a tiny model, chunks, a manifest) and runs every check's CPU part; prints the device call.
+# wheel, a tiny model, chunks, a manifest; .gpu-carry-nvcomp/, the stage call's: nvCOMP's wheels and
+# the entropy chunks) and runs every check's CPU part; prints the two device calls.
 .PHONY: gpu-dry-run
 gpu-dry-run: setup
 	bash tests/gpu/run.sh --dry-run
