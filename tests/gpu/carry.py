@@ -13,7 +13,7 @@ own files included. So everything it needs that it lacks is made here, by ``prep
 - ``chunks/<rung>/<index>.kvc``: the tiny model's KV of a fixed prompt (the committed
   ``perf/inputs/default.context.txt``, first ``PROMPT_TOKENS`` tokens), computed on this CPU and
   stored through ``kvcodec.ingest.ingest`` with the model's card: ``raw`` and the video rungs
-  ``lossless8``, ``video-q8`` and ``video`` (``CHUNKS`` says how many, how long), signed with a
+  ``lossless8``, ``video-q8``, ``video`` and ``video-tiled`` (``CHUNKS`` says how many, how long), signed with a
   fixed test key (``AUTH_HEX``: these chunks are test data);
 - ``manifest.json``: per chunk its rung, key, file digest, geometry, the planes digest taken at
   ingest (what NVDEC's output must hash to) and per-frame digests and sums (to say which frames
