@@ -221,7 +221,7 @@ def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, 
             ids = tokenizer.encode(text + QUESTION)
             prefill = client.generate(ids, 4, reuse=False)
             assert client.generate(ids, 4, reuse=True).reused_tokens == 768
-            seen = {}
+            seen, ttfts = {}, {}
             for fault in ("paused", "stopped"):
                 if fault == "paused":
                     os.kill(redis.pid, signal.SIGSTOP)
@@ -233,6 +233,7 @@ def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, 
                 if fault == "paused":
                     os.kill(redis.pid, signal.SIGCONT)
                 seen[fault] = (round(took, 2), result.stats["miss_reason"])
+                ttfts[fault] = round(result.ttft_s, 2)
                 assert result.tokens == prefill.tokens and result.reused_tokens == 0, fault
                 assert result.stats["miss_reason"], fault
                 assert took < FETCH_TIMEOUT_S + 3 * prefill.ttft_s + 5, (fault, took)
@@ -242,7 +243,8 @@ def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, 
                     (fault, result.ttft_s, prefill.ttft_s, fault_s)
                 if fault == "paused":  # running again: the stored chunks are reused again
                     assert reused_within_two(client, ids) == 768
-            print(f"redis faults: {seen}")
+            print(f"redis faults (seconds to the last token, reason): {seen}; TTFT: {ttfts}, prefill's "
+                  f"{prefill.ttft_s:.2f} s")
             assert "timed out" in seen["paused"][1] and "unreachable" in seen["stopped"][1]
             assert client.generate(ids, 2, reuse=False).tokens == prefill.tokens[:2]  # still healthy
     finally:
