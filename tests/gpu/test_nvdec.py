@@ -14,6 +14,7 @@ import pytest
 
 from kvcodec.bitstream import selftest
 from kvcodec.bitstream.hevc import Hevc, PyAVDecoder
+from kvcodec.bitstream.host import host_array, to_host
 from kvcodec.errors import Unsupported
 from kvcodec.layout.quant import PerChannel8
 
@@ -81,6 +82,24 @@ def test_nvdec_10bit_output_equals_software_output(nvdec, lossless, qp):
         assert np.array_equal(hw, planes)
 
 
+@pytest.mark.parametrize("tile", [1, 4])
+def test_nvdec_decodes_tiled_frames_as_software_does(nvdec, tile):
+    """The tiled video rung's streams (``hevc`` ``tile``): a SmolLM2-sized chunk's 60 planes in one
+    1536x1920 frame (tile 4) or three 1024x960 ones (tile 1), HEVC Main10."""
+    rng = np.random.default_rng(7)
+    rows, cols = np.meshgrid(np.arange(192), np.arange(256), indexing="ij")
+    base = 512 + 300 * np.sin(rows / 11.0)[None] * np.cos(cols / 23.0)[None]
+    planes = np.clip(base + rng.normal(0, 15, (60, 192, 256)), 0, 1023).astype(np.uint16)
+    codec = Hevc(lossless=False, qp=13, bit_depth=10, preset="medium", tune="mse", tile=tile)
+    data = codec.encode(planes)
+    frames, height, width = codec.stream_shape(planes.shape)
+    hw = np.stack(nvdec.decode(data, width, height, 10))
+    sw = np.stack(PyAVDecoder().decode(data, width, height, 10))
+    assert hw.shape == sw.shape == (frames, height, width) and frames < 60
+    assert np.array_equal(hw, sw), f"{int((hw != sw).sum())} of {hw.size} samples differ"
+    assert np.array_equal(codec.decode_with(nvdec, data, planes.shape), codec.decode(data, planes.shape))
+
+
 # -- the start-up self-test and device output ------------------------------------------------------
 GPU_ID = 0
 
@@ -123,7 +142,7 @@ def test_nvdec_device_output_stays_on_the_gpu_and_equals_the_host_output(nvdec, 
     want = torch.device("cuda", GPU_ID)
     assert all(isinstance(p, torch.Tensor) and p.device == want for p in out)
     assert {p.dtype for p in out} == {torch.uint16 if bit_depth == 10 else torch.uint8}
-    dev = selftest.to_host(out)  # one copy, here, to compare
+    dev = to_host(out)  # one copy, here, to compare
     host = np.stack(nvdec.decode(data, 256, 192, bit_depth))
     assert np.array_equal(dev, host), f"{int((dev != host).sum())} of {dev.size} samples differ"
     if lossless:
@@ -154,6 +173,6 @@ def test_chunk_decoder_on_nvdec_device_output_verifies_at_start_up_and_skips_the
         monkeypatch.undo()
         for planes, chunk in zip((first, second), chunks, strict=True):
             want = decode_mod.ChunkDecoder("m", auth=auth, decoder="pyav").decode(chunk, key="k").planes
-            assert np.array_equal(selftest.host_array(planes), want)
+            assert np.array_equal(host_array(planes), want)
     finally:
         dec.close()
