@@ -587,3 +587,19 @@ def test_kv_decode_on_a_cpu_instance_self_tests_pyav_and_keeps_host_planes(kv_de
     [response] = model.execute([_request(_chunk("video-q8"))])
     assert isinstance(response.tensors["planes8"].value, np.ndarray) and response.tensors["planes8"].value.size
     model.finalize()
+
+
+# -- the tool: self-test from the command line, reference streams made again ---------------------------
+def test_the_tool_regenerates_the_committed_reference_streams_byte_for_byte(tmp_path, capsys):
+    from kvcodec_tools import decoder_selftest
+
+    assert decoder_selftest.main(["--regenerate", "--directory", str(tmp_path)]) == 0
+    capsys.readouterr()
+    made, committed = selftest.load_index(tmp_path), selftest.load_index()
+    assert made["profiles"] == committed["profiles"]  # x265 is deterministic: the same streams, the same digests
+    for entry in committed["profiles"].values():
+        assert (tmp_path / entry["file"]).read_bytes() == (selftest.REFERENCE_DIR / entry["file"]).read_bytes()
+    assert decoder_selftest.main(["--decoder", "pyav", "--directory", str(tmp_path)]) == 0
+    assert set(json.loads(capsys.readouterr().out)["pyav"]) == set(selftest.PROFILES)
+    (tmp_path / "video.hevc").write_bytes(b"\x00" * 64)  # a damaged reference: that profile fails, exit 1
+    assert decoder_selftest.main(["--decoder", "pyav", "--directory", str(tmp_path)]) == 1
