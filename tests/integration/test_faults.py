@@ -203,8 +203,8 @@ def test_metrics_count_the_fallbacks_by_reason_and_time_the_stages(faulty):
 def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, tokenizer, tmp_path):
     """A real redis-server as the store, the context ingested into it: paused (SIGSTOP: it accepts
     connections and never answers), the request gives the prefill tokens within prefill's TTFT +
-    max(2 s, the predicted prefill of the stored prefix), and reuse comes back within two requests
-    once it runs again; stopped (connection refused), the same answer at once (prefill's TTFT);
+    max(2 s, the predicted prefill of the stored prefix), the next request skips it at once with the
+    hung calls released, and reuse comes back within two requests once it runs again; stopped (connection refused), the same answer at once (prefill's TTFT);
     the server stays healthy throughout. TTFT margin for the noisy machine: a quarter of prefill's
     TTFT plus 1 s."""
     from kvcodec_tools.services.redis import RedisServer
@@ -216,7 +216,7 @@ def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, 
         (tmp_path / "context.txt").write_text(text)
         cli(local, "ingest", "--text-file", str(tmp_path / "context.txt"), "--codec", "int8-zstd", "--json", "--quiet")
         with own_server(replace(local, home=settings.home, ladder=("int8-zstd",), fetch_timeout_s=FETCH_TIMEOUT_S,
-                                adaptive=False), "redis-faults") as (server, _metrics):
+                                adaptive=False), "redis-faults") as (server, metrics):
             client = KVCodecClient(server.grpc_url, "grpc", timeout_s=120)
             ids = tokenizer.encode(text + QUESTION)
             prefill = client.generate(ids, 4, reuse=False)
@@ -231,7 +231,14 @@ def test_a_real_redis_store_paused_then_stopped_falls_back_to_prefill(settings, 
                 result = client.generate(ids, 4, reuse=True)
                 took = time.monotonic() - t0
                 if fault == "paused":
+                    # still paused: the next request skips the store at once (its breaker is open), and
+                    # the calls hung on the paused server were released (the breaker closed their
+                    # connections) instead of waiting out their 30 s socket timeout
+                    skipped = client.generate(ids, 4, reuse=True)
+                    calls = metric_values(metrics, "kvcodec_store_calls")
                     os.kill(redis.pid, signal.SIGCONT)
+                    assert "store skipped" in skipped.stats["miss_reason"], skipped.stats["miss_reason"]
+                    assert skipped.tokens == prefill.tokens and sum(calls.values()) == 0, calls
                 seen[fault] = (round(took, 2), result.stats["miss_reason"])
                 ttfts[fault] = round(result.ttft_s, 2)
                 assert result.tokens == prefill.tokens and result.reused_tokens == 0, fault

@@ -225,6 +225,12 @@ class _RedisBase(KVStore):
         if client is not None:
             client.close()
 
+    def drop_connections(self) -> None:
+        """Close every connection, those in use too (a call hung on a paused server ends at once,
+        as ``StoreUnavailable``); the next call makes a new client. The fetcher calls this when the
+        store's circuit breaker opens (``kvcodec.serving.calls``)."""
+        self.close()
+
 
 class RedisStore(_RedisBase):
     """One redis server (``redis://[USER]:PASSWORD@HOST:PORT/DB``)."""
