@@ -12,7 +12,10 @@ Redis and S3):
 - ``close()``: release connections;
 - ``scan() -> Iterator[Entry]``: every stored chunk as ``Entry(key, size, time)``, ``time`` the
   last use where the store tracks it (Redis idle time, a file's access time), else the last write
-  (epoch seconds); for ``kvcodec.store.capacity`` (usage, gc), not for serving.
+  (epoch seconds); for ``kvcodec.store.capacity`` (usage, gc), not for serving;
+- network stores also: ``drop_connections()``: connections made until now are not reused (the
+  fetcher's circuit breaker calls it when it opens); and each call honours the caller's
+  ``kvcodec.store.deadline.call_deadline`` where the backend can (HTTP(S)).
 Transport failures raise ``StoreUnavailable``, and so does a store that refuses the credentials
 (the message says so). Keys are ``[0-9a-z/]`` paths made by ``kvcodec.format.keys``.
 
