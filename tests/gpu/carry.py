@@ -480,9 +480,32 @@ def prepare_stage(stage: Path, engine, ids: Sequence[int], chunk_auth, log=print
     return manifest
 
 
+NAMESPACE_SHIM = "__path__ = __import__('pkgutil').extend_path(__path__, __name__)\n"
+
+
+def nvidia_namespace(site: Path) -> str:
+    """Make ``site``'s ``nvidia`` folder (nvCOMP's wheels, installed there with ``--target``)
+    importable beside another ``nvidia`` package on the path: nvCOMP's wheels make ``nvidia`` a
+    namespace package (no ``__init__.py``), but where an earlier ``nvidia`` wheel (torch's CUDA
+    libraries, on some builds) ships an ``nvidia/__init__.py``, that regular package wins and
+    ``nvidia.nvcomp`` is not found. Then ``site``'s folder gets a pkgutil ``__init__.py`` that spans
+    every ``nvidia`` folder on the path. Run with ``site`` first on ``PYTHONPATH``; says what it did."""
+    check = "import importlib, sys; importlib.import_module('nvidia.nvcomp')"
+    env = dict(os.environ)
+    if subprocess.run([sys.executable, "-c", check], env=env, capture_output=True).returncode == 0:
+        return "nvidia.nvcomp imports"
+    init = Path(site) / "nvidia" / "__init__.py"
+    if not init.parent.is_dir() or init.exists():
+        return f"nvidia.nvcomp does not import and {init} cannot help"
+    init.write_text(NAMESPACE_SHIM)
+    ok = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True).returncode == 0
+    return f"nvidia.nvcomp {'imports' if ok else 'still does not import'} with a pkgutil {init}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.gpu.carry", description=__doc__.split("\n\n")[0])
-    ap.add_argument("action", choices=("prepare", "verify", "sizes", "run-call", "verify-stage"))
+    ap.add_argument("action", choices=("prepare", "verify", "sizes", "run-call", "verify-stage", "nvidia-namespace"))
+    ap.add_argument("--site", default="/tmp/site", help="nvidia-namespace: where the wheels were installed")
     ap.add_argument("--carry", default=str(REPO / CARRY))
     ap.add_argument("--stage", default=str(REPO / STAGE), help="the folder the stage call carries")
     args = ap.parse_args(argv)
@@ -508,6 +531,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 report = sizes(REPO, folder)
                 print(f"sizes ({what}):", json.dumps(report))
                 check_sizes(report)
+        if args.action == "nvidia-namespace":
+            print(nvidia_namespace(Path(args.site)))
         if args.action == "run-call":
             print(json.dumps(run_calls(os.path.relpath(carry, REPO), os.path.relpath(stage, REPO))))
     except CarryError as exc:

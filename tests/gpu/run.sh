@@ -66,14 +66,15 @@ device_run() {
     [ -f "$CARRY/manifest.json" ] || { echo "no $CARRY/manifest.json: carry $CARRY (bash tests/gpu/run.sh --dry-run makes it)"; return 2; }
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         "$CARRY"/wheels/*.whl || echo "wheel install failed: the checks that need PyNvVideoCodec will fail"
+    export PYTHONPATH="$site:$PWD/backends:$PWD" PYTHONUNBUFFERED=1
     if ls "$STAGE"/wheels/*.whl >/dev/null 2>&1; then
         "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
             "$STAGE"/wheels/*.whl || echo "nvCOMP wheel install failed: the nvcomp check will fail"
+        "$py" -m tests.gpu.carry nvidia-namespace --site "$site"
     else
         echo "no $STAGE/wheels: the stage call did not run just before (or the machine went cold); the nvcomp check will say"
     fi
     nvdec_library_path
-    export PYTHONPATH="$site:$PWD/backends:$PWD" PYTHONUNBUFFERED=1
     timeout "$LIMIT_S" "$py" -m tests.gpu.gpu_checks --carry "$CARRY" --stage "$STAGE" --json "$out/gpu_checks.json"
     rc=$?
     [ "$rc" -eq 124 ] && echo "gpu checks: stopped after $LIMIT_S s; $out/gpu_checks.json holds the checks that finished"

@@ -252,3 +252,20 @@ def test_the_nvcomp_wheels_are_the_pinned_ones():
     if not folder.is_dir():
         pytest.skip(f"no {folder}: `bash tests/gpu/run.sh --dry-run` downloads them (needs the network)")
     assert {p.name: carry.sha256(p) for p in folder.iterdir()} == carry.NVCOMP_WHEELS
+
+
+def test_nvcomp_in_the_site_folder_imports_beside_a_regular_nvidia_package(tmp_path, monkeypatch):
+    """On a machine whose torch brings an ``nvidia`` package with an ``__init__.py``, nvCOMP's
+    namespace folder in the wheels' site would be hidden; the shim makes both import."""
+    site, system = tmp_path / "site", tmp_path / "system"
+    (site / "nvidia" / "nvcomp").mkdir(parents=True)
+    (site / "nvidia" / "nvcomp" / "__init__.py").write_text("WHERE = 'site'\n")
+    (system / "nvidia" / "cublas").mkdir(parents=True)
+    (system / "nvidia" / "__init__.py").write_text("")
+    (system / "nvidia" / "cublas" / "__init__.py").write_text("WHERE = 'system'\n")
+    monkeypatch.setenv("PYTHONPATH", f"{site}:{system}")
+    probe = [sys.executable, "-c", "import nvidia.nvcomp, nvidia.cublas; print(nvidia.nvcomp.WHERE, nvidia.cublas.WHERE)"]
+    assert subprocess.run(probe, capture_output=True).returncode != 0  # hidden, as it would be there
+    assert "imports with a pkgutil" in carry.nvidia_namespace(site)
+    assert subprocess.run(probe, capture_output=True, text=True).stdout.split() == ["site", "system"]
+    assert carry.nvidia_namespace(site) == "nvidia.nvcomp imports"  # a second run leaves it as it is
