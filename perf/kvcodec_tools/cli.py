@@ -71,17 +71,28 @@ def _unreachable(url: str, timeout_s: float = 5.0) -> str:
         return exc.strerror or type(exc).__name__
 
 
-def _probe_store(settings) -> None:
-    """One look-up in the settings' store, before any model is loaded: exits with one line when
-    the store does not answer."""
+def _store_down(settings, timeout_s: float = 5.0) -> str:
+    """Why the settings' store does not answer one look-up within ``timeout_s`` ("" when it does)."""
+    import time
+
     from kvcodec.errors import StoreUnavailable
     from kvcodec.store import open_store
+    from kvcodec.store.deadline import call_deadline
 
     try:
-        with open_store(settings.store, settings.store_ca_file or None) as store:
+        with call_deadline(time.monotonic() + timeout_s), open_store(settings.store,
+                                                                     settings.store_ca_file or None) as store:
             store.exists("kvcodec/probe")
     except StoreUnavailable as exc:
-        raise SystemExit(f"kvcodec ingest: {exc}; start the store or pass --store") from None
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ""
+
+
+def _probe_store(settings) -> None:
+    """Ingest's look-up in the store before any model is loaded: one line and exit when it is down."""
+    down = _store_down(settings)
+    if down:
+        raise SystemExit(f"kvcodec ingest: {down}; start the store or pass --store")
 
 
 # Engines that need a package a venv may lack: (module, where that engine runs).
@@ -123,6 +134,10 @@ def cmd_serve(args) -> int:
     settings = _settings(args)
     engines.prepare(settings)
     _warn_unfitted(settings)
+    down = _store_down(settings)
+    if down:  # the server starts anyway: a store that comes back is used again
+        print(f"kvcodec serve: warning: {down}; requests prefill until the store answers", file=sys.stderr,
+              flush=True)
     server = TritonServer(Path(args.model_repository), settings,
                           Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host)
     stopping, watching = [], []  # watching: non-empty while a watchdog runs (it may be restarting the server)

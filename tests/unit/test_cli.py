@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,17 +132,33 @@ def test_serve_when_a_port_is_taken_says_which(tmp_path):
     assert not (tmp_path / "logs").exists()  # no tritonserver was started
 
 
-@pytest.mark.parametrize("scheme", ["http", "redis"])
+@pytest.mark.parametrize("scheme", ["http", "redis", "silent"])
 def test_ingest_to_a_store_that_is_down_says_so_before_loading_the_model(tmp_path, scheme):
     text = tmp_path / "context.txt"
     text.write_text("def f(x):\n    return x\n" * 200)
-    (port,) = free_ports(1)
-    url = f"http://127.0.0.1:{port}/kv" if scheme == "http" else f"redis://127.0.0.1:{port}/0"
-    proc = run_kvcodec("ingest", "--home", str(tmp_path), "--model-cache", MODEL_CACHE, "--store", url,
-                       "--text-file", str(text), "--codec", "raw", "--quiet", timeout=60)
+    with socket.socket() as silent:  # "silent": a store that accepts and never answers
+        silent.bind(("127.0.0.1", 0))
+        if scheme == "silent":
+            silent.listen()
+        port = silent.getsockname()[1]  # bound and not listening: refused
+        url = f"redis://127.0.0.1:{port}/0" if scheme == "redis" else f"http://127.0.0.1:{port}/kv"
+        t0 = time.monotonic()
+        proc = run_kvcodec("ingest", "--home", str(tmp_path), "--model-cache", MODEL_CACHE, "--store", url,
+                           "--text-file", str(text), "--codec", "raw", "--quiet", timeout=60)
     line = one_line_refusal(proc, "ingest")
-    assert url in line and "unreachable" in line and "--store" in line
+    assert url in line and ("timed out" if scheme == "silent" else "unreachable") in line and "--store" in line
     assert "Loading weights" not in proc.stdout + proc.stderr  # refused before the model loaded
+    assert time.monotonic() - t0 < 30  # the look-up's own deadline (5 s), not the store's
+
+
+def test_serve_warns_in_one_line_of_a_store_that_is_down(tmp_path):
+    """``serve`` starts anyway (a store that comes back is used again); its warning is the line of
+    ``_store_down``, empty for a store that answers."""
+    (port,) = free_ports(1)
+    args = build_parser().parse_args(["serve", "--home", str(tmp_path), "--store", f"http://127.0.0.1:{port}/kv"])
+    down = cli._store_down(cli._settings(args))
+    assert f"http://127.0.0.1:{port}/kv" in down and "\n" not in down
+    assert cli._store_down(cli._settings(build_parser().parse_args(["serve", "--home", str(tmp_path)]))) == ""
 
 
 def test_start_failure_names_each_model_that_did_not_load(tmp_path):
