@@ -158,10 +158,13 @@ def cmd_serve(args) -> int:
             return 0
         print(f"kvcodec serve: {_start_failure(exc, server.log_path)}", file=sys.stderr)
         return 1
+    # the watchdog takes the stubs it sees as the healthy set: before "ready", so that a stub that
+    # dies right after it is a fault, not a server it never knew
+    watchdog = _watchdog(server, watching, args.timeout) if args.watchdog else None
     print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "
           f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}"
           f"{'; watchdog on' if args.watchdog else ''}", flush=True)
-    code = _serve_watched(server, stopping, watching, args.timeout) if args.watchdog else server.wait()
+    code = _serve_watched(server, watchdog, stopping) if watchdog is not None else server.wait()
     server.stop()
     print("kvcodec serve: stopped", flush=True)
     return 0 if stopping else code
@@ -201,18 +204,21 @@ def _warn_unfitted(settings) -> None:
         print(f"kvcodec serve: warning: {exc}", file=sys.stderr, flush=True)
 
 
-def _serve_watched(server, stopping: list, watching: list, start_timeout_s: float) -> int:
-    """Run a watchdog beside the ready server until a signal (``stopping``) or until the watchdog
-    gives up (its exit code). Once ``watching`` is marked, the signal handler only appends to
-    ``stopping``: the watchdog may be restarting the server, so this thread halts it first, then
-    ends a start under way."""
+def _watchdog(server, watching: list, start_timeout_s: float):
+    """A watchdog started on the ready server. Once ``watching`` is marked, the signal handler only
+    appends to ``stopping``: the watchdog may be restarting the server."""
     import logging
 
     from kvcodec_tools.watchdog import Watchdog
 
     logging.basicConfig(format="kvcodec serve: %(message)s")
     watching.append(True)
-    watchdog = Watchdog(server, start_timeout_s=start_timeout_s).start()
+    return Watchdog(server, start_timeout_s=start_timeout_s).start()
+
+
+def _serve_watched(server, watchdog, stopping: list) -> int:
+    """Serve beside the running watchdog until a signal (``stopping``) or until the watchdog gives up
+    (its exit code); on a signal this thread halts the watchdog first, then ends a start under way."""
     while not stopping and watchdog.join(0.5):
         pass
     watchdog.halt()
