@@ -37,7 +37,8 @@ def test_perf_analyzer_ttft_reuse_and_prefill(server, settings, tokenizer, perf_
     assert check.reused_tokens >= settings.chunk_tokens  # this prompt takes the reused path
 
     rows = run_targets([Target("local", None, server.grpc_url)], [files["reuse"], files["prefill"]],
-                       meta["context_tokens"], request_count=2, work_dir=tmp_path / "pa")
+                       meta["context_tokens"], request_count=2, work_dir=tmp_path / "pa",
+                       max_trials=20)  # a noisy shared machine needs more windows to find 3 within 50%
     doc = write_results(rows, tmp_path / "perf_analyzer.json", perf_analyzer)
     written = json.loads((tmp_path / "perf_analyzer.json").read_text())
     assert written == doc and written["perf_analyzer_version"] == perf_analyzer
