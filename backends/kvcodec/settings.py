@@ -27,6 +27,7 @@ name the field and the value.
 | decode_timeout_s | KVCODEC_DECODE_TIMEOUT_S | 30: that process's deadline per chunk (killed after it: a miss) |
 | store_ca_file | KVCODEC_STORE_CA_FILE  | empty: the system CAs; else a PEM CA bundle that ``https://`` and ``rediss://`` stores verify against |
 | stream_loads  | KVCODEC_STREAM_LOADS   | 1: an engine that can (vLLM, TensorRT-LLM) takes a request at its first chunk (0: after the last) |
+| async_loads   | KVCODEC_ASYNC_LOADS    | 1: a streamed request's blocks are allocated at once and each chunk written as it arrives (vLLM: an asynchronous load); 0: the engine asks again until the chunks are in, then loads them in one go (5) |
 | step_tokens   | KVCODEC_STEP_TOKENS    | 0: the engine's own token budget per step (vLLM ``max_num_batched_tokens``) (5) |
 | prefill_slice | KVCODEC_PREFILL_SLICE  | 0: off; else at most this many tokens of one long prefill per step (vLLM ``long_prefill_token_threshold``) (5) |
 
@@ -80,6 +81,7 @@ class Settings:
     model: Optional[Path] = None  # a Hugging Face model folder (None: the embedded SmolLM2-135M-Instruct)
     store_ca_file: str = ""  # a PEM CA bundle for TLS stores ("": the system CAs)
     stream_loads: bool = True  # a streaming engine takes a request at its first chunk
+    async_loads: bool = True  # streamed chunks written into allocated blocks as they arrive (0: loaded once in)
     step_tokens: int = 0  # the engine's token budget per step (0: its own default)
     prefill_slice: int = 0  # at most this many tokens of one long prefill per step (0: off)
 
@@ -133,6 +135,7 @@ class Settings:
             if not Path(store_ca_file).is_file():
                 raise ConfigError(f"store_ca_file must be a PEM CA bundle file, got {raw('store_ca_file')!r}")
         stream_loads = _bool("stream_loads", raw("stream_loads") or "1")
+        async_loads = _bool("async_loads", raw("async_loads") or "1")
         step_tokens = _int("step_tokens", raw("step_tokens") or "0", minimum=0)
         prefill_slice = _int("prefill_slice", raw("prefill_slice") or "0", minimum=0)
         engine = raw("engine") or "transformers"
@@ -143,7 +146,8 @@ class Settings:
         return cls(home, store, model_cache, ladder, chunk_tokens, threads, decoder,
                    adaptive, link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
                    ingest_workers, decoder_process, decode_timeout_s, model=model, store_ca_file=store_ca_file,
-                   stream_loads=stream_loads, step_tokens=step_tokens, prefill_slice=prefill_slice)
+                   stream_loads=stream_loads, async_loads=async_loads, step_tokens=step_tokens,
+                   prefill_slice=prefill_slice)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -168,6 +172,7 @@ class Settings:
             "KVCODEC_MODEL": str(self.model or ""),
             "KVCODEC_STORE_CA_FILE": self.store_ca_file,
             "KVCODEC_STREAM_LOADS": "1" if self.stream_loads else "0",
+            "KVCODEC_ASYNC_LOADS": "1" if self.async_loads else "0",
             "KVCODEC_STEP_TOKENS": str(self.step_tokens),
             "KVCODEC_PREFILL_SLICE": str(self.prefill_slice),
         }

@@ -580,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     p.add_argument("--clients", type=_list(int), default=[1, 4, 8])
     p.add_argument("--variants", type=_list(str), default=["wait", "stream", "stream-sliced"],
-                   help="wait (the llm step waits for every chunk), stream, stream-sliced (smaller vLLM steps)")
+                   help="of kvcodec_tools.loadbench.VARIANTS: wait, stream, stream-queued, wait-sliced, "
+                        "stream-sliced, stream-queued-sliced (sliced: smaller vLLM steps)")
     p.add_argument("--bandwidth-mbps", type=float, default=100.0)
     p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
     p.add_argument("--requests", type=int, default=4, help="requests per client, alternating reuse and prefill")

@@ -8,8 +8,11 @@ with variants of the llm step's load path and the engine's scheduling side by si
    on top of the engine's (adaptive fetcher off: every reuse request fetches):
 
    - ``wait``: the llm step gives vLLM a request after its last chunk (``stream_loads=0``);
-   - ``stream``: at its first chunk, each chunk loaded into its blocks as it arrives;
-   - ``stream-sliced``: streaming, and vLLM's token budget per step and long-prefill slice small
+   - ``stream``: at its first chunk; its blocks are allocated at once and each chunk is loaded into
+     them as it arrives (an asynchronous load);
+   - ``stream-queued``: at its first chunk; vLLM asks again at each step until the chunks are in,
+     then loads them synchronously (``async_loads=0``);
+   - ``*-sliced``: the same with vLLM's token budget per step and long-prefill slice small
      (``step_tokens``, ``prefill_slice``), so a reuse request's few tokens to compute start at the
      next short step instead of behind other requests' whole prefills.
 
@@ -33,10 +36,14 @@ from typing import Dict, List, Optional, Tuple
 
 from .concurrency import QUESTION, ConcurrencyConfig, _level, context_ids, summarize
 
+SLICED = {"step_tokens": 512, "prefill_slice": 128}
 VARIANTS: Dict[str, Dict[str, object]] = {
     "wait": {"stream_loads": False},
-    "stream": {"stream_loads": True},
-    "stream-sliced": {"stream_loads": True, "step_tokens": 512, "prefill_slice": 128},
+    "stream": {"stream_loads": True, "async_loads": True},
+    "stream-queued": {"stream_loads": True, "async_loads": False},
+    "wait-sliced": {"stream_loads": False, **SLICED},
+    "stream-sliced": {"stream_loads": True, "async_loads": True, **SLICED},
+    "stream-queued-sliced": {"stream_loads": True, "async_loads": False, **SLICED},
 }
 
 

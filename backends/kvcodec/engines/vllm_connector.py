@@ -12,7 +12,10 @@ prompt's new full chunks (write-back) and where to send them. The connector's tw
   prompt token left: ``connector.plan.matched_tokens``). A session already settled loads
   synchronously (``(n, False)``); one whose chunks are still coming loads asynchronously
   (``(n, True)``: vLLM parks the request in WAITING_FOR_REMOTE_KVS with its blocks allocated and
-  goes on stepping the others). ``update_state_after_alloc`` attaches the blocks to the session:
+  goes on stepping the others); with ``defer`` (setting ``async_loads`` 0) it answers ``(None,
+  False)``, "ask again later", until the session settles, then loads synchronously: the request
+  is scheduled in the step after its last chunk, not one step after its load is reported.
+  ``update_state_after_alloc`` attaches the blocks to the session:
   the chunks kept so far are written at once, later ones by the thread that delivers them, as they
   arrive. ``build_connector_meta`` names the step's new loads and its saves (``SaveTracker``: the
   step whose forward completes a request's last new full chunk);
@@ -56,6 +59,7 @@ class Offer:
     promised_tokens: int = 0  # filled in by the connector
     loaded_tokens: int = 0
     asynchronous: bool = False
+    defer: bool = False  # chunks still coming: ask again later, load once they are in (no asynchronous load)
     load_s: float = 0.0
     save_s: float = 0.0
     saved_chunks: int = 0
@@ -101,7 +105,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         self._load_errors: Set[int] = set()
 
     # -- scheduler side --------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         given, offer = HANDOFF.find(request.request_id)
         if offer is None:
             return 0, False
@@ -109,6 +113,8 @@ class KVCodecConnector(KVConnectorBase_V1):
         prompt = len(request.prompt_token_ids or [])
         session = offer.session
         settled = session is None or session.settled
+        if not settled and offer.defer and session.bound_tokens:
+            return None, False  # vLLM keeps the request waiting and asks again at its next step
         stored = 0 if session is None else (session.usable_tokens if settled else session.bound_tokens)
         if offer.save is not None:
             self._saves.track(request.request_id, chunks_to_save(prompt, stored, offer.chunk_tokens))

@@ -224,7 +224,8 @@ class VllmEngine(model_files.EngineFiles):
 
         request_id = f"kvc{next(self._ids)}x{uuid.uuid4().hex[:8]}"
         session = LoadSession.of(past, self.chunk_tokens) if isinstance(past, np.ndarray) else past
-        offer = Offer(session=session, chunk_tokens=self.chunk_tokens, save=save)
+        offer = Offer(session=session, chunk_tokens=self.chunk_tokens, save=save,
+                      defer=not self.settings.async_loads)
         HANDOFF.post(request_id, offer)
         tokens: "queue.Queue" = queue.Queue()
         self._inbox.put(("add", request_id, list(ids), int(max_tokens), tokens, extra))
