@@ -28,8 +28,8 @@ name the field and the value.
 | store_ca_file | KVCODEC_STORE_CA_FILE  | empty: the system CAs; else a PEM CA bundle that ``https://`` and ``rediss://`` stores verify against |
 | stream_loads  | KVCODEC_STREAM_LOADS   | 1: an engine that can (vLLM, TensorRT-LLM) takes a request at its first chunk (0: after the last) |
 | async_loads   | KVCODEC_ASYNC_LOADS    | 1: a streamed request's blocks are allocated at once and each chunk written as it arrives (vLLM: an asynchronous load); 0: the engine asks again until the chunks are in, then loads them in one go (5) |
-| step_tokens   | KVCODEC_STEP_TOKENS    | 0: the engine's own token budget per step (vLLM ``max_num_batched_tokens``) (5) |
-| prefill_slice | KVCODEC_PREFILL_SLICE  | 0: off; else at most this many tokens of one long prefill per step (vLLM ``long_prefill_token_threshold``) (5) |
+| step_tokens   | KVCODEC_STEP_TOKENS    | 0: the engine's default token budget per step (vLLM ``max_num_batched_tokens``: 512) (5) |
+| prefill_slice | KVCODEC_PREFILL_SLICE  | 0: the engine's default; at most this many tokens of one long prefill per step (vLLM ``long_prefill_token_threshold``: 128; as large as step_tokens: off) (5) |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
@@ -82,8 +82,8 @@ class Settings:
     store_ca_file: str = ""  # a PEM CA bundle for TLS stores ("": the system CAs)
     stream_loads: bool = True  # a streaming engine takes a request at its first chunk
     async_loads: bool = True  # streamed chunks written into allocated blocks as they arrive (0: loaded once in)
-    step_tokens: int = 0  # the engine's token budget per step (0: its own default)
-    prefill_slice: int = 0  # at most this many tokens of one long prefill per step (0: off)
+    step_tokens: int = 0  # the engine's token budget per step (0: the engine's default)
+    prefill_slice: int = 0  # at most this many tokens of one long prefill per step (0: the engine's default)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":

@@ -36,11 +36,12 @@ from typing import Dict, List, Optional, Tuple
 
 from .concurrency import QUESTION, ConcurrencyConfig, _level, context_ids, summarize
 
-SLICED = {"step_tokens": 512, "prefill_slice": 128}
+SLICED = {"step_tokens": 512, "prefill_slice": 128}  # the vLLM engine's defaults
+WHOLE = {"step_tokens": 4096, "prefill_slice": 4096}  # vLLM's own on a CPU: 4096 tokens a step, whole prefills
 VARIANTS: Dict[str, Dict[str, object]] = {
-    "wait": {"stream_loads": False},
-    "stream": {"stream_loads": True, "async_loads": True},
-    "stream-queued": {"stream_loads": True, "async_loads": False},
+    "wait": {"stream_loads": False, **WHOLE},
+    "stream": {"stream_loads": True, "async_loads": True, **WHOLE},
+    "stream-queued": {"stream_loads": True, "async_loads": False, **WHOLE},
     "wait-sliced": {"stream_loads": False, **SLICED},
     "stream-sliced": {"stream_loads": True, "async_loads": True, **SLICED},
     "stream-queued-sliced": {"stream_loads": True, "async_loads": False, **SLICED},

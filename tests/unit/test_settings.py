@@ -140,7 +140,8 @@ def test_scheduling_levers_reach_vllms_engine_arguments():
     s = Settings.load({"step_tokens": "512", "prefill_slice": "128", "stream_loads": "0"}, env={})
     assert (s.step_tokens, s.prefill_slice, s.stream_loads) == (512, 128, False)
     assert _scheduling(s) == {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 128}
-    assert _scheduling(Settings.load(env={})) == {}  # vLLM's own defaults
+    assert _scheduling(Settings.load(env={})) == {"max_num_batched_tokens": 512,  # the engine's, measured
+                                                  "long_prefill_token_threshold": 128}
 
 
 def test_settings_are_frozen(tmp_path):
