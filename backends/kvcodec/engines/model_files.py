@@ -99,7 +99,20 @@ def files_for(settings) -> ModelFiles:
 
 
 class EngineFiles:
-    """``prepare`` and ``tokenizer`` of the engine contract, for an engine that runs these files."""
+    """``prepare`` and ``tokenizer`` of the engine contract, for an engine that runs these files; and,
+    for an engine instance with a ``card`` and a ``tokenizer``, ``geometry``, ``tokenize`` and
+    ``detokenizer``."""
+
+    def geometry(self, tokens: int):
+        return self.card.geometry(tokens)
+
+    def tokenize(self, text: str):
+        return self.tokenizer.encode(text)
+
+    def detokenizer(self):
+        from .tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer.decode)
 
     @classmethod
     def prepare(cls, settings) -> None:

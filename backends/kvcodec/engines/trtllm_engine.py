@@ -40,9 +40,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from ..errors import BadRequest, Unsupported
-from ..format.geometry import Geometry
 from . import ModelCard, model_files
-from .tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvcodec.trtllm")
 
@@ -118,16 +116,7 @@ class TrtllmEngine(model_files.EngineFiles):
         args["kv_connector_config"] = KvCacheConnectorConfig(**args["kv_connector_config"])
         self._llm = LLM(**args)
 
-    # -- the contract -------------------------------------------------------------------------
-    def geometry(self, tokens: int) -> Geometry:
-        return self.card.geometry(tokens)
-
-    def tokenize(self, text: str) -> List[int]:
-        return self.tokenizer.encode(text)
-
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer.decode)
-
+    # -- the contract (geometry, tokenize, detokenizer: model_files.EngineFiles) ------------------
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
                report: Optional[dict] = None, load=None) -> Iterator[int]:
         from tensorrt_llm import SamplingParams

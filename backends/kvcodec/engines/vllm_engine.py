@@ -39,9 +39,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from ..errors import BadRequest, Unsupported
-from ..format.geometry import Geometry
 from . import ModelCard, model_files
-from .tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvcodec.vllm")
 
@@ -150,16 +148,7 @@ class VllmEngine(model_files.EngineFiles):
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
-    # -- the contract -------------------------------------------------------------------------
-    def geometry(self, tokens: int) -> Geometry:
-        return self.card.geometry(tokens)
-
-    def tokenize(self, text: str) -> List[int]:
-        return self.tokenizer.encode(text)
-
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer.decode)
-
+    # -- the contract (geometry, tokenize, detokenizer: model_files.EngineFiles) ------------------
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
                report: Optional[dict] = None, load=None) -> Iterator[int]:
         if len(ids) == 0:
