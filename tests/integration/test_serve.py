@@ -46,6 +46,11 @@ def test_serve_starts_and_stops_cleanly(settings, tmp_path, signum):
             os.killpg(proc.pid, 0)  # the server and its model stubs are gone
     finally:
         if proc.poll() is None:
+            for server in children(proc.pid):  # tritonserver leads a process group of its own
+                try:
+                    os.killpg(server, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
