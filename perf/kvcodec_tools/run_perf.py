@@ -107,7 +107,7 @@ def _measure(server, target: Target, inputs, prompt_ids, meta, args, home: Path)
         print(f"run_perf: the reuse prompt reused nothing (stats {check.stats})", file=sys.stderr)
         return None
     try:
-        return run_targets([target], inputs, meta["context_tokens"], request_count=args.request_count,
+        return run_targets([target], inputs, meta["context_tokens"], request_count=args.request_count, max_trials=args.max_trials,
                            work_dir=home / "perf_analyzer" / target.label)
     except PerfAnalyzerError as exc:
         print(f"run_perf: {exc}", file=sys.stderr)
@@ -124,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--context-tokens", type=int, default=None, help="cut --text-file to about this many tokens")
     p.add_argument("--max-tokens", type=int, default=make_inputs.MAX_TOKENS)
     p.add_argument("--request-count", type=int, default=3, help="perf_analyzer --measurement-request-count")
+    p.add_argument("--max-trials", type=int, default=10, help="perf_analyzer --max-trials: windows to find a stable one")
     p.add_argument("--output", type=Path, default=RESULTS_PATH)
     p.add_argument("--bandwidth-mbps", type=_rates, default=None,
                    help="measure across a throttled link at each of these rates (default: no link)")

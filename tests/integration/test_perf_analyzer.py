@@ -36,9 +36,16 @@ def test_perf_analyzer_ttft_reuse_and_prefill(server, settings, tokenizer, perf_
     check = KVCodecClient(server.grpc_url, "grpc").generate(prompt, 1, reuse=True)
     assert check.reused_tokens >= settings.chunk_tokens  # this prompt takes the reused path
 
-    rows = run_targets([Target("local", None, server.grpc_url)], [files["reuse"], files["prefill"]],
-                       meta["context_tokens"], request_count=2, work_dir=tmp_path / "pa",
-                       max_trials=20)  # a noisy shared machine needs more windows to find 3 within 50%
+    from kvcodec_tools.perf_analyzer import UnstableMeasurement
+
+    for attempt in (1, 2):  # perf_analyzer's own stability rule (3 windows within 50%) can miss on a shared machine
+        try:
+            rows = run_targets([Target("local", None, server.grpc_url)], [files["reuse"], files["prefill"]],
+                               meta["context_tokens"], request_count=2, work_dir=tmp_path / "pa", max_trials=20)
+            break
+        except UnstableMeasurement:
+            if attempt == 2:
+                raise
     doc = write_results(rows, tmp_path / "perf_analyzer.json", perf_analyzer)
     written = json.loads((tmp_path / "perf_analyzer.json").read_text())
     assert written == doc and written["perf_analyzer_version"] == perf_analyzer
@@ -65,7 +72,7 @@ def test_make_perf_script_across_a_throttled_link(settings, tokenizer, perf_anal
     out = tmp_path / "perf_analyzer.json"
     proc = subprocess.run([sys.executable, str(REPO / "perf" / "kvcodec_tools" / "run_perf.py"), "--home", str(tmp_path / "home"),
                            "--model-cache", str(settings.model_cache), "--text-file", str(source),
-                           "--max-tokens", "2", "--request-count", "2", "--bandwidth-mbps", "1000",
+                           "--max-tokens", "2", "--request-count", "2", "--bandwidth-mbps", "1000", "--max-trials", "30",
                            "--output", str(out)], capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
