@@ -64,7 +64,7 @@ class Settings:
     home: Path
     store: str
     model_cache: Path
-    ladder: Tuple[str, ...]  # rung specs, in preference order (a ladder; see README's glossary)
+    ladder: Tuple[str, ...]  # rung specs, in preference order (a ladder; see docs/codecs.md's glossary)
     chunk_tokens: int
     threads: int
     decoder: str

@@ -1,6 +1,6 @@
 """Bitstream coders: planes <-> bytes.
 
-The bitstream coder is the last of the three parts of a codec (see README's glossary: a *codec*
+The bitstream coder is the last of the three parts of a codec (see docs/codecs.md's glossary: a *codec*
 is the user-facing name, e.g. ``video``; it pairs a *layout*, KV <-> planes, with a *bitstream
 coder*, planes <-> bytes). A ``BitstreamCoder`` is built from keyword parameters (recorded in the
 chunk header as ``codec_params`` and bound into the chunk key), encodes planes ``[frames, height,

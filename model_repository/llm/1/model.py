@@ -158,7 +158,7 @@ SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 class _Metrics:
     """Prometheus metrics on the server's metrics endpoint: requests by outcome and by why reuse
     stopped, reused tokens, fetched bytes, and histograms of each request's TTFT (server side) and
-    of its fetch, decode and restore seconds (README, "Metrics")."""
+    of its fetch, decode and restore seconds (docs/operations.md, "Metrics")."""
 
     def __init__(self):
         counter = pb_utils.MetricFamily.COUNTER
