@@ -103,6 +103,19 @@ class EngineFiles:
     for an engine instance with a ``card`` and a ``tokenizer``, ``geometry``, ``tokenize`` and
     ``detokenizer``."""
 
+    def _bind(self, settings) -> "ModelFiles":
+        """Set what every engine instance holds (settings, card, model_id, tokenizer, chunk_tokens);
+        the model files, ready to load."""
+        from .tokenizer import Tokenizer
+
+        files = files_for(settings)
+        self.settings = settings
+        self.card = self.model_card(settings)
+        self.model_id = self.card.model_id
+        self.tokenizer = Tokenizer(files)
+        self.chunk_tokens = settings.chunk_tokens
+        return files
+
     def geometry(self, tokens: int):
         return self.card.geometry(tokens)
 

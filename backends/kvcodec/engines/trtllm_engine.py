@@ -98,15 +98,9 @@ class TrtllmEngine(model_files.EngineFiles):
         except ImportError as exc:
             raise Unsupported(f"the trtllm engine needs TensorRT-LLM 1.2 (NGC's tritonserver -trtllm-python "
                               f"container): {exc}") from None
-        from .tokenizer import Tokenizer
         from .trtllm_config import CONFIG_ENV
 
-        self.settings = settings
-        files = model_files.files_for(settings)
-        self.card = self.model_card(settings)
-        self.model_id = self.card.model_id
-        self.tokenizer = Tokenizer(files)
-        self.chunk_tokens = settings.chunk_tokens
+        files = self._bind(settings)
         folder = settings.home / "trtllm"
         folder.mkdir(parents=True, exist_ok=True)
         config = folder / "kvcodec-trtllm.json"

@@ -120,14 +120,8 @@ class VllmEngine(model_files.EngineFiles):
         from vllm import EngineArgs, LLMEngine
         from vllm.config import KVTransferConfig
 
-        from .tokenizer import Tokenizer
 
-        self.settings = settings
-        files = model_files.files_for(settings)
-        self.card = self.model_card(settings)
-        self.model_id = self.card.model_id
-        self.tokenizer = Tokenizer(files)
-        self.chunk_tokens = settings.chunk_tokens
+        files = self._bind(settings)
         args = EngineArgs(
             model=str(files.path), dtype=self.card.kv_dtype, enforce_eager=True, max_model_len=self.card.max_context,
             seed=0, enable_prefix_caching=False,  # the store is the prefix cache: every reuse is measured
