@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -277,8 +278,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def ensure_model(cache_dir: os.PathLike, log=print) -> ModelFiles:
+def ensure_model(cache_dir: os.PathLike, log=None) -> ModelFiles:
     """The converted model folder, converting the GGUF on first use (one process at a time)."""
+    if log is None:  # progress goes to stderr: stdout is a command's own output (``--json``)
+        def log(message: str) -> None:
+            print(message, file=sys.stderr, flush=True)
+
     target = Path(cache_dir) / FOLDER
     marker = target / _READY
     if not marker.is_file():
