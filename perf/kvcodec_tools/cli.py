@@ -581,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=_list(int), default=[1, 4, 8])
     p.add_argument("--variants", type=_list(str), default=["wait", "stream", "stream-sliced"],
                    help="of kvcodec_tools.loadbench.VARIANTS: wait, stream, stream-queued, wait-sliced, "
-                        "stream-sliced, stream-queued-sliced (sliced: smaller vLLM steps)")
+                        "stream-sliced, stream-queued-sliced (sliced: smaller vLLM steps); NAME@STEP/SLICE "
+                        "sets the step's token budget and the prefill slice, like stream@1024/256")
     p.add_argument("--bandwidth-mbps", type=float, default=100.0)
     p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
     p.add_argument("--requests", type=int, default=4, help="requests per client, alternating reuse and prefill")

@@ -14,7 +14,8 @@ with variants of the llm step's load path and the engine's scheduling side by si
      then loads them synchronously (``async_loads=0``);
    - ``*-sliced``: the same with vLLM's token budget per step and long-prefill slice small
      (``step_tokens``, ``prefill_slice``), so a reuse request's few tokens to compute start at the
-     next short step instead of behind other requests' whole prefills.
+     next short step instead of behind other requests' whole prefills;
+   - ``NAME@STEP/SLICE`` (``stream@1024/256``): variant NAME with those two sizes, for a sweep.
 
 3. Per variant: every prompt alone, reuse and prefill (the reference answers), then each client
    count: ``clients`` threads released together, each sending ``requests`` requests alternating
@@ -48,6 +49,23 @@ VARIANTS: Dict[str, Dict[str, object]] = {
 }
 
 
+def variant_settings(name: str) -> Dict[str, object]:
+    """The settings of a variant: a name of ``VARIANTS``, or ``NAME@STEP/SLICE`` overriding its two sizes."""
+    base, _, sizes = name.partition("@")
+    if base not in VARIANTS:
+        raise ValueError(f"variants must be among {', '.join(VARIANTS)} (optionally @STEP/SLICE), got {name!r}")
+    if not sizes:
+        return dict(VARIANTS[base])
+    step, _, slice_ = sizes.partition("/")
+    try:
+        step_tokens, prefill_slice = int(step), int(slice_)
+    except ValueError:
+        raise ValueError(f"variant {name!r}: sizes must be STEP/SLICE token counts, like stream@1024/256") from None
+    if not 0 < prefill_slice <= step_tokens:
+        raise ValueError(f"variant {name!r}: need 0 < SLICE <= STEP")
+    return dict(VARIANTS[base], step_tokens=step_tokens, prefill_slice=prefill_slice)
+
+
 @dataclass
 class LoadConfig:
     clients: List[int]
@@ -63,9 +81,10 @@ class LoadConfig:
     link_mode: str = "auto"
 
     def __post_init__(self) -> None:
-        unknown = [v for v in self.variants if v not in VARIANTS]
-        if unknown or not self.variants:
-            raise ValueError(f"variants must be among {', '.join(VARIANTS)}, got {self.variants}")
+        if not self.variants:
+            raise ValueError(f"variants must be among {', '.join(VARIANTS)}, got none")
+        for v in self.variants:
+            variant_settings(v)
         if not self.clients or any(c < 1 for c in self.clients):
             raise ValueError(f"clients must be counts >= 1, got {self.clients}")
         if self.bandwidth_mbps <= 0:
@@ -163,7 +182,7 @@ def run_load(settings, repository: Path, config: LoadConfig, json_path: Path, pl
         links.append(dict(link.describe(), bandwidth_mbps=config.bandwidth_mbps))
         for variant in config.variants:
             server_settings = replace(settings, store=url, ladder=(config.rung,), adaptive=False, writeback=(),
-                                      threads=config.threads, **VARIANTS[variant])
+                                      threads=config.threads, **variant_settings(variant))
             server = TritonServer(repository, server_settings, Ports(*free_ports(3)))
             print(f"starting tritonserver ({settings.engine}, {variant}) ...", flush=True)
             server.start(timeout_s=600)
@@ -192,7 +211,7 @@ def run_load(settings, repository: Path, config: LoadConfig, json_path: Path, pl
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpu_count": os.cpu_count(),
         "engine": settings.engine,
-        "config": {**config.__dict__, "variants": {v: VARIANTS[v] for v in config.variants},
+        "config": {**config.__dict__, "variants": {v: variant_settings(v) for v in config.variants},
                    "prompt_tokens": [len(p) for p in prompts]},
         "links": links,
         "rows": rows,

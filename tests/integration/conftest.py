@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -107,3 +108,11 @@ def ingested_home(settings, tokenizer, home: Path, source: str = "calendar.py", 
     (home / "context.txt").write_text(text)
     cli(local, "ingest", "--text-file", str(home / "context.txt"), "--codec", codec, "--json", "--quiet")
     return local, text
+
+
+def metric_values(url: str, prefix: str) -> dict:
+    """The samples of a Prometheus endpoint whose name (with labels) starts with ``prefix``."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+            if name.startswith(prefix)}

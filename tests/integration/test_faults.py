@@ -36,7 +36,7 @@ from kvcodec_tools.procs import alive
 from kvcodec_tools.soak import descendants, read_proc, sample_tree, stub_pids
 from kvcodec_tools.tritonserver import MODELS, Ports, TritonServer
 
-from .conftest import REPO, cli, ingested_home, text_of
+from .conftest import REPO, cli, ingested_home, metric_values, text_of
 
 pytestmark = pytest.mark.integration
 FETCH_TIMEOUT_S = 3.0
@@ -290,13 +290,6 @@ def own_server(local, name: str, repository: Path = REPO / "model_repository"):
         yield server, f"http://127.0.0.1:{metrics}/metrics"
     finally:
         server.stop()
-
-
-def metric_values(url: str, prefix: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
-            if name.startswith(prefix)}
 
 
 def pending(url: str) -> dict:

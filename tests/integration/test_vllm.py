@@ -22,7 +22,7 @@ from kvcodec_client import KVCodecClient  # noqa: E402
 from kvcodec_tools.ports import free_ports  # noqa: E402
 from kvcodec_tools.tritonserver import Ports, TritonServer  # noqa: E402
 
-from .conftest import REPO, chunk_path, cli, replaced, text_of  # noqa: E402
+from .conftest import REPO, chunk_path, cli, metric_values, replaced, text_of  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -117,9 +117,9 @@ def test_corrupt_and_foreign_chunks_fall_back_to_the_engines_prefill(vsettings, 
     assert result.tokens == prefill.tokens
 
 
-def test_writeback_serves_the_second_ask_from_the_store(vsettings, tokenizer, grpc):
+def test_writeback_serves_the_second_ask_from_the_store(vsettings, tokenizer, grpc, vserver):
     """No ingest: the first ask is a miss and its 2 full chunks are stored in the background; the
-    second ask reuses them (raw: the engine's own KV, the same tokens)."""
+    second ask reuses them (raw: the engine's own KV, the same tokens); the metrics endpoint counts them."""
     ids = tokenizer.encode(text_of(tokenizer, "shlex.py", 540) + QUESTION)
     first = grpc.generate(ids, MAX_TOKENS, reuse=True)
     assert first.reused_tokens == 0 and first.stats["miss_reason"] == "no stored prefix"
@@ -131,6 +131,9 @@ def test_writeback_serves_the_second_ask_from_the_store(vsettings, tokenizer, gr
     second = grpc.generate(ids, MAX_TOKENS, reuse=True)
     assert second.reused_tokens == 512 and second.stats["scheme"] == "raw"
     assert second.tokens == first.tokens
+    saves = metric_values(f"http://127.0.0.1:{vserver.ports.metrics}/metrics", "kvcodec_writeback_total")
+    assert saves['kvcodec_writeback_total{state="stored"}'] >= 1, saves  # exported at the end of a request
+    assert saves['kvcodec_writeback_total{state="failed"}'] == 0, saves
 
 
 def test_concurrent_requests_are_batched_and_each_answer_is_its_own(context_raw, grpc, tokenizer):

@@ -270,4 +270,17 @@ def test_writeback_drops_when_full_counts_failures_and_flushes():
     assert not wb.offer("late") and wb.stats()["dropped"] == 2
 
 
+def test_writeback_counts_become_metric_increments_summed_over_queues():
+    from kvcodec.connector import Increments, merged
+
+    inc = Increments()
+    assert inc.since({"queued": 3, "stored": 2, "dropped": 1, "failed": 1}) == \
+        {"queued": 3, "stored": 2, "dropped": 1, "failed": 1}
+    assert inc.since({"queued": 5, "stored": 2, "dropped": 1, "failed": 3}) == \
+        {"queued": 2, "stored": 0, "dropped": 0, "failed": 2}  # two puts the store refused
+    assert inc.since({"queued": 1, "stored": 1, "dropped": 0, "failed": 0})["queued"] == 1  # a new queue
+    both = merged([{"queued": 2, "failed": 1, "pending": 1, "busy_s": 0.5}, {"queued": 1, "stored": 1}])
+    assert both == {"queued": 3, "stored": 1, "dropped": 0, "failed": 1, "pending": 1, "busy_s": 0.5}
+
+
 # -- lookup ----------------------------------------------------------------------------------

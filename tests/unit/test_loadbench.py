@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcodec_tools.loadbench import VARIANTS, LoadConfig, checks
+from kvcodec_tools.loadbench import VARIANTS, LoadConfig, checks, variant_settings
 
 
 def _row(variant, clients, mode, ttft, rps=None):
@@ -31,3 +31,13 @@ def test_the_variants_are_settings_and_bad_configs_are_refused():
         LoadConfig([1], ["fast"])
     with pytest.raises(ValueError, match="bandwidth"):
         LoadConfig([1], ["wait"], bandwidth_mbps=0)
+    with pytest.raises(ValueError, match="SLICE <= STEP"):
+        LoadConfig([1], ["stream@128/512"])
+    with pytest.raises(ValueError, match="token counts"):
+        LoadConfig([1], ["stream@big/256"])
+
+
+def test_a_variant_at_other_sizes_keeps_its_load_path():
+    got = variant_settings("stream-queued@1024/256")
+    assert got == dict(VARIANTS["stream-queued"], step_tokens=1024, prefill_slice=256)
+    assert got["async_loads"] is False and variant_settings("wait") == VARIANTS["wait"]

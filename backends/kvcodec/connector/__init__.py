@@ -27,7 +27,7 @@ from .pages import LAYOUTS, KVPages
 from .plan import chunks_to_save, matched_tokens, stored_prefix
 from .save import ChunkSaver, SaveJob, SaveTracker
 from .session import LoadSession
-from .writeback import WriteBack
+from .writeback import Increments, WriteBack, merged
 
 __all__ = [
     "ChunkSaver",
@@ -38,7 +38,9 @@ __all__ = [
     "RequestLoad",
     "SaveJob",
     "SaveTracker",
+    "Increments",
     "WriteBack",
+    "merged",
     "chunks_to_save",
     "matched_tokens",
     "prompt_key",

@@ -12,6 +12,10 @@ accepted job, in order (the caller builds one only if write-back is wanted):
 - ``flush(timeout_s) -> bool``: waits until no job waits or runs (False on timeout);
 - ``close(timeout_s) -> bool``: accepts no more jobs, lets the worker finish those accepted, and
   waits for it (False if it is still busy at the timeout).
+
+``Increments`` turns successive ``stats()`` (summed over queues: ``merged``) into counter increments
+for the metrics endpoint (``kvcodec_writeback_total{state}``): a put refused by a full store is
+``failed`` there, never the request's error.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -84,3 +88,31 @@ class WriteBack:
             self._cond.notify_all()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+COUNTS = ("queued", "stored", "dropped", "failed")
+
+
+def merged(stats: Iterable[Dict[str, float]]) -> Dict[str, float]:
+    """The sum of several queues' ``stats()``."""
+    out: Dict[str, float] = {k: 0 for k in (*COUNTS, "pending", "busy_s")}
+    for one in stats:
+        for k in out:
+            out[k] += one.get(k, 0)
+    return out
+
+
+class Increments:
+    """``since(stats)``: how much each count of ``COUNTS`` grew since the last call (a count that
+    went down, a queue replaced, starts again from its new value)."""
+
+    def __init__(self) -> None:
+        self._last = {k: 0 for k in COUNTS}
+
+    def since(self, stats: Dict[str, float]) -> Dict[str, int]:
+        out = {}
+        for k in COUNTS:
+            now = int(stats.get(k, 0))
+            out[k] = now - self._last[k] if now >= self._last[k] else now
+            self._last[k] = now
+        return out

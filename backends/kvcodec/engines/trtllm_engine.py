@@ -133,6 +133,12 @@ class TrtllmEngine(model_files.EngineFiles):
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray:
         raise Unsupported("the trtllm engine does not score codecs: use kvcodec eval --engine transformers or vllm")
 
+    def writeback_stats(self) -> Optional[dict]:
+        """The connector workers' write-back counts (``trtllm_worker.writeback_stats``)."""
+        from .trtllm_worker import writeback_stats
+
+        return writeback_stats()
+
     def close(self) -> None:
         self._llm.shutdown()
 

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..connector import ChunkSaver, KVPages, WriteBack
+from ..connector import ChunkSaver, KVPages, WriteBack, merged
 from ..errors import Unsupported
 from ..format.ladder import parse_ladder
 from ..store import KVStore, open_store
@@ -57,6 +58,15 @@ class _HostCopy:
         return self.host.to(torch.float32).numpy()
 
 
+QUEUES: "weakref.WeakSet[WriteBack]" = weakref.WeakSet()  # live workers' write-back queues (metrics)
+
+
+def writeback_stats() -> Optional[dict]:
+    """The live workers' write-back counts summed (``connector.merged``), None when none writes back."""
+    queues = list(QUEUES)
+    return merged(q.stats() for q in queues) if queues else None
+
+
 class KVCodecWorker(_WorkerBase):
     def __init__(self, llm_args: Any = None, config: Optional[TrtllmConfig] = None,
                  store: Optional[KVStore] = None, loads=None, handoff=None) -> None:
@@ -76,6 +86,7 @@ class KVCodecWorker(_WorkerBase):
                                     parse_ladder(list(self.cfg.writeback), self.cfg.card), self.cfg.chunk_tokens,
                                     auth=self.cfg.auth())
             self.queue = WriteBack(self._save, max_pending=self.cfg.max_pending, name="kv-writeback")
+            QUEUES.add(self.queue)
         self.counters = {"loads": 0, "loaded_tokens": 0, "short_loads": 0, "saved_chunks": 0, "dropped_chunks": 0,
                          "save_copy_s": 0.0}
 

@@ -195,6 +195,10 @@ class VllmEngine(model_files.EngineFiles):
     def _block_size(self) -> int:
         return int(self._engine.vllm_config.cache_config.block_size)
 
+    def writeback_stats(self) -> Optional[dict]:
+        """The write-back queue's counts (``connector.WriteBack.stats``), None without write-back."""
+        return self.writeback.stats() if self.writeback is not None else None
+
     def close(self) -> None:
         self._stop.set()
         self._inbox.put(None)

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from kvcodec.connector.writeback import COUNTS, Increments
 from kvcodec.engines import open_engine
 from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.serving.assemble import Assembler
@@ -101,6 +102,7 @@ class TritonPythonModel:
                 if event.final:
                     with self.pb_lock:
                         self.metrics.record(event.stats)
+                        self.metrics.writeback(self.engine)
                     _safely(record_request, self.costs, event.stats, self.settings.chunk_tokens)
                 if event.stats:
                     reused = tensor("reused_tokens", np.array([event.stats.reused_tokens], np.int32))
@@ -158,7 +160,8 @@ SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 class _Metrics:
     """Prometheus metrics on the server's metrics endpoint: requests by outcome and by why reuse
     stopped, reused tokens, fetched bytes, and histograms of each request's TTFT (server side) and
-    of its fetch, decode and restore seconds (docs/operations.md, "Metrics")."""
+    of its fetch, decode and restore seconds; the engine's write-back counts by state and the jobs
+    pending, brought up to date at the end of each request (docs/operations.md, "Metrics")."""
 
     def __init__(self):
         counter = pb_utils.MetricFamily.COUNTER
@@ -181,6 +184,22 @@ class _Metrics:
                                                 ).Metric(labels={})
         self._tokens = self.tokens.Metric(labels={})
         self._bytes = self.bytes.Metric(labels={})
+        saves = pb_utils.MetricFamily("kvcodec_writeback_total", "Write-back jobs after a miss, by state (queued, "
+                                      "stored, dropped: queue full, failed: the store refused)", counter)
+        self._saves = {state: saves.Metric(labels={"state": state}) for state in COUNTS}
+        self._pending = pb_utils.MetricFamily("kvcodec_writeback_pending", "Write-back jobs waiting or running",
+                                              pb_utils.MetricFamily.GAUGE).Metric(labels={})
+        self._save_increments = Increments()
+
+    def writeback(self, engine):
+        stats_fn = getattr(engine, "writeback_stats", None)
+        stats = stats_fn() if stats_fn is not None else None
+        if not stats:
+            return
+        for state, n in self._save_increments.since(stats).items():
+            if n:
+                self._saves[state].increment(n)
+        self._pending.set(float(stats.get("pending", 0)))
 
     def cancelled(self):
         self._cancelled.increment(1)
