@@ -16,6 +16,7 @@ name the field and the value.
 | chunk_tokens  | KVCODEC_CHUNK_TOKENS   | 256                                     |
 | threads       | KVCODEC_THREADS        | 0 (torch's default)                     |
 | decoder       | KVCODEC_DECODER        | ``pyav`` (``nvdec``, ``auto``)          |
+| entropy       | KVCODEC_ENTROPY        | ``auto``: the zstd rungs' decoder: nvCOMP on a GPU instance where it opens, else the CPU (``cpu``, ``nvcomp``) (6) |
 | adaptive      | KVCODEC_ADAPTIVE       | 1: choose a rung per chunk, recompute when faster (0: first stored rung) |
 | link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
@@ -40,6 +41,9 @@ engines that save (``vllm``: ``kvcodec.connector.WriteBack``).
 (5) scheduling levers of a batching engine: smaller steps and sliced prefills let a reuse request's
 few tokens to compute start at the next step instead of waiting behind other requests' prefills
 (``perf/results/README.md``, "Reuse under load").
+(6) ``kvcodec.bitstream.decoders.ENTROPY_DECODERS``; a CPU instance of kv_decode always decodes on
+the CPU (``nvcomp`` there fails its start). Each rung's decode time is measured per chunk, so the
+adaptive fetcher weighs a GPU-decoded entropy rung against NVDEC's video by what each costs here.
 (4) a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files) of a Llama-family
 model (``kvcodec.engines.model_files.ARCHITECTURES``); its identity, KV geometry and tokenizer come
 from the folder, its codec profile is fitted with ``kvcodec profile fit --model DIR``.
@@ -55,6 +59,7 @@ from .errors import ConfigError
 from .format.ladder import DEFAULT_LADDER, parse_ladder
 
 DECODER_CHOICES = ("pyav", "nvdec", "auto")
+ENTROPY_CHOICES = ("auto", "cpu", "nvcomp")
 # Model config parameters that Triton's python backend reads itself: not settings.
 TRITON_OWN_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
 
@@ -84,6 +89,7 @@ class Settings:
     async_loads: bool = True  # streamed chunks written into allocated blocks as they arrive (0: loaded once in)
     step_tokens: int = 0  # the engine's token budget per step (0: the engine's default)
     prefill_slice: int = 0  # at most this many tokens of one long prefill per step (0: the engine's default)
+    entropy: str = "auto"  # the zstd rungs' decoder in kv_decode (ENTROPY_CHOICES)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -119,6 +125,9 @@ class Settings:
         decoder = raw("decoder") or "pyav"
         if decoder not in DECODER_CHOICES:
             raise ConfigError(f"decoder must be one of {', '.join(DECODER_CHOICES)}, got {decoder!r}")
+        entropy = raw("entropy") or "auto"
+        if entropy not in ENTROPY_CHOICES:
+            raise ConfigError(f"entropy must be one of {', '.join(ENTROPY_CHOICES)}, got {entropy!r}")
         adaptive = _bool("adaptive", raw("adaptive") or "1")
         link_mbps = _float("link_mbps", raw("link_mbps") or "1000", minimum=0.001)
         deadline_s = _float("deadline_s", raw("deadline_s") or "0", minimum=0.0)
@@ -147,7 +156,7 @@ class Settings:
                    adaptive, link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
                    ingest_workers, decoder_process, decode_timeout_s, model=model, store_ca_file=store_ca_file,
                    stream_loads=stream_loads, async_loads=async_loads, step_tokens=step_tokens,
-                   prefill_slice=prefill_slice)
+                   prefill_slice=prefill_slice, entropy=entropy)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -175,6 +184,7 @@ class Settings:
             "KVCODEC_ASYNC_LOADS": "1" if self.async_loads else "0",
             "KVCODEC_STEP_TOKENS": str(self.step_tokens),
             "KVCODEC_PREFILL_SLICE": str(self.prefill_slice),
+            "KVCODEC_ENTROPY": self.entropy,
         }
 
 

@@ -31,6 +31,7 @@ def test_home_moves_the_store_and_model_cache(tmp_path):
     ("chunk_tokens", "512", "128", 256),
     ("threads", "3", "2", 0),
     ("decoder", "auto", "nvdec", "pyav"),
+    ("entropy", "nvcomp", "cpu", "auto"),
     ("store", "memory://x", "file:///tmp/env-store", None),
     ("ladder", "raw", "int8-zstd,video", None),
     ("engine", "transformers", "transformers", "transformers"),
@@ -84,6 +85,7 @@ def test_unknown_key_raises_naming_it():
     ("step_tokens", "-1", "step_tokens must be >= 0"),
     ("prefill_slice", "x", "prefill_slice must be an integer"),
     ("stream_loads", "maybe", "stream_loads must be 0 or 1"),
+    ("entropy", "gpu", "entropy must be one of auto, cpu, nvcomp, got 'gpu'"),
 ])
 def test_bad_values_raise_config_error_naming_field_and_value(name, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -127,7 +129,7 @@ def test_environ_round_trips_through_load(tmp_path):
                         ("HOME", "STORE", "MODEL_CACHE", "LADDER", "CHUNK_TOKENS", "THREADS", "DECODER",
                          "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE", "KEY_FILE", "FETCH_TIMEOUT_S", "WRITEBACK",
                          "INGEST_WORKERS", "DECODER_PROCESS", "DECODE_TIMEOUT_S", "MODEL", "STORE_CA_FILE",
-                         "STREAM_LOADS", "ASYNC_LOADS", "STEP_TOKENS", "PREFILL_SLICE")}
+                         "STREAM_LOADS", "ASYNC_LOADS", "STEP_TOKENS", "PREFILL_SLICE", "ENTROPY")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})

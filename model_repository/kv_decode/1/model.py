@@ -9,7 +9,9 @@ there on the reference stream of every stream profile (``kvcodec.bitstream.selft
 goes to the server log). PyAV runs in a process of its own (``decoder_process``, on by default;
 ``kvcodec.bitstream.isolated``): a crash or a hang in FFmpeg is a miss for that one chunk, each
 chunk within ``decode_timeout_s``. On a GPU, planes of a verified decoder leave through DLPack, never
-copied to the host (``kvcodec.serving.decode`` says which planes skip the host digest).
+copied to the host (``kvcodec.serving.decode`` says which planes skip the host digest). The
+entropy-coded rungs (int8-zstd, kvtc-w) decode with nvCOMP on a GPU instance where it opens
+(``entropy`` setting, ``auto``), on the CPU otherwise.
 """
 import json
 import logging
@@ -40,6 +42,12 @@ EMPTY16 = np.zeros((0, 0, 0), np.uint16)
 log = logging.getLogger("kvcodec.kv_decode")
 
 
+def entropy_decoder(setting: str, on_gpu: bool) -> str:
+    """The zstd rungs' decoder of this instance: ``auto`` is nvCOMP (where it opens) on a GPU
+    instance and the CPU's on a CPU instance; ``cpu`` and ``nvcomp`` as asked."""
+    return "cpu" if setting == "auto" and not on_gpu else setting
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.settings = Settings.load(model_parameters(args))
@@ -49,7 +57,8 @@ class TritonPythonModel:
         self.step = DecodeStep(card.model_id, auth=load_auth(self.settings.key_file), decoder=self.settings.decoder,
                                threads=max(1, self.settings.threads), geometry=card.geometry(self.settings.chunk_tokens),
                                selftest=True, gpu_id=device.index if on_gpu else 0, device_output=on_gpu,
-                               isolate=self.settings.decoder_process, decode_timeout_s=self.settings.decode_timeout_s)
+                               isolate=self.settings.decoder_process, decode_timeout_s=self.settings.decode_timeout_s,
+                               entropy=entropy_decoder(self.settings.entropy, on_gpu))
         decoder = self.step.decoder
         message = (f"kv_decode on {device}: decoder {self.settings.decoder} self-test: "
                    f"{json.dumps(decoder.selftest_results, sort_keys=True)}")
