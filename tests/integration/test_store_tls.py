@@ -1,7 +1,8 @@
 """TLS stores against real servers: nginx serving HTTPS and redis-server speaking only TLS, each with
 a server certificate this test signs with a CA it makes (``openssl``), started on free ports and
 stopped by PID. A client trusting that CA (``ca_file``, or ``KVCODEC_STORE_CA_FILE``) works; one
-trusting another CA, or only the system CAs, is refused as ``StoreUnavailable``.
+trusting another CA, or only the system CAs, is refused as ``StoreUnavailable``. A 3-node redis
+cluster speaks TLS to clients and on its bus (``rediss+cluster://``).
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from kvcodec.errors import ConfigError, StoreUnavailable
 from kvcodec.settings import Settings
 from kvcodec.store import open_store
 from kvcodec.store.http import HttpStore
-from kvcodec_tools.ports import free_port
+from kvcodec_tools.ports import free_port, free_port_run
 from kvcodec_tools.services.nginx import NginxStore
-from kvcodec_tools.services.redis import RedisServer
+from kvcodec_tools.services.redis import RedisCluster, RedisServer
 from kvcodec_tools.services.seaweedfs import SeaweedS3
 
 pytestmark = pytest.mark.integration
@@ -107,6 +108,26 @@ def test_rediss_store_verifies_the_server_against_the_ca_bundle(pki, tmp_path):
         with open_store(srv.url.replace("rediss://", "redis://")) as plain:  # no TLS: the server hangs up
             with pytest.raises(StoreUnavailable):
                 plain.get(KEY)
+
+
+@pytest.mark.timeout(90)
+def test_rediss_cluster_store_verifies_every_node_against_the_ca_bundle(pki, tmp_path):
+    base = free_port_run(3, offsets=(0, 10000))
+    with RedisCluster(tmp_path, "127.0.0.1", base, PASSWORD, tls=(pki["cert"], pki["key"], pki["ca"])) as cluster:
+        assert cluster.url.startswith("rediss+cluster://")
+        keys = [KEY[:-1] + str(i) for i in range(8)]  # spread over the three nodes' slots
+        with open_store(cluster.url, ca_file=str(pki["ca"])) as s:
+            assert s.url.startswith("rediss+cluster://") and s.tls
+            for i, key in enumerate(keys):
+                s.put(key, b"cluster %d" % i)
+            assert [s.get(k) for k in keys] == [b"cluster %d" % i for i in range(8)]
+            assert sorted(e.key for e in s.scan()) == sorted(keys)
+        with open_store(cluster.url, ca_file=str(pki["other"])) as wrong:
+            with pytest.raises(StoreUnavailable, match="TLS certificate not accepted"):
+                wrong.get(keys[0])
+        with open_store(cluster.url.replace("rediss+cluster://", "redis+cluster://")) as plain:
+            with pytest.raises(StoreUnavailable):
+                plain.get(keys[0])
 
 
 @pytest.mark.timeout(90)

@@ -21,7 +21,7 @@ Transport failures raise ``StoreUnavailable``, and so does a store that refuses 
 
 ``open_store(url)`` picks the backend by scheme (``file://DIR``, ``memory://NAME``,
 ``http[s]://HOST:PORT/PREFIX``, ``redis[s]://:PASSWORD@HOST:PORT/DB``,
-``redis+cluster://:PASSWORD@HOST:PORT[,HOST:PORT...]``, ``s3://BUCKET/PREFIX``); the backend's
+``redis[s]+cluster://:PASSWORD@HOST:PORT[,HOST:PORT...]``, ``s3://BUCKET/PREFIX``); the backend's
 module (and ``redis``, ``boto3``) is imported only when its scheme is used. Secrets come from
 ``KVCODEC_STORE_TOKEN`` (the HTTP bearer token; the Redis password when the URL has none), or for
 S3 the standard ``AWS_*`` variables, so they need not be in a URL. TLS (``https``, ``rediss``,
@@ -104,10 +104,11 @@ STORES.register("redis", "kvcodec.store.redis_store:RedisStore")
 STORES.register("redis+cluster", "kvcodec.store.redis_store:RedisClusterStore")
 STORES.register("https", "kvcodec.store.http:HttpStore")
 STORES.register("rediss", "kvcodec.store.redis_store:RedisStore")
+STORES.register("rediss+cluster", "kvcodec.store.redis_store:RedisClusterStore")
 STORES.register("s3", "kvcodec.store.s3:S3Store")
 
 
-TLS_SCHEMES = ("https", "rediss", "s3")  # the stores that take a CA bundle
+TLS_SCHEMES = ("https", "rediss", "rediss+cluster", "s3")  # the stores that take a CA bundle
 
 
 def open_store(url: str, ca_file: Optional[str] = None) -> KVStore:

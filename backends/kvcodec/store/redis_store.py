@@ -1,5 +1,5 @@
 """Redis stores: ``redis[s]://[USER]:PASSWORD@HOST:PORT/DB`` and
-``redis+cluster://[USER]:PASSWORD@HOST:PORT[,HOST:PORT...]`` (the ``redis`` package).
+``redis[s]+cluster://[USER]:PASSWORD@HOST:PORT[,HOST:PORT...]`` (the ``redis`` package).
 
 One value per chunk under ``<prefix><key>`` (``SET`` is atomic: a reader sees the old value or the
 whole new one). ``get_range`` sends ``EXISTS`` and ``GETRANGE`` in one round trip (``GETRANGE``
@@ -13,7 +13,7 @@ cluster errors raise ``StoreUnavailable``; a refused password says so.
 
 URL options: ``?timeout_s=5&connect_timeout_s=3&prefix=kvcodec:``.
 
-TLS: ``rediss://`` verifies the server's certificate and host name against the system CAs, or
+TLS: ``rediss://`` and ``rediss+cluster://`` verify the server's (each node's) certificate and host name against the system CAs, or
 against the CA bundle ``ca_file`` (else ``KVCODEC_STORE_CA_FILE``); a certificate that does not
 verify raises ``StoreUnavailable`` saying so.
 
@@ -112,6 +112,12 @@ class _RedisBase(KVStore):
         self.prefix = prefix
         self._client = None
         self._lock = threading.Lock()
+
+    def _set_tls(self, tls: bool, ca_file: Optional[str]) -> None:
+        self.tls = bool(tls)
+        self.ca_file = ca_file if ca_file is not None else os.environ.get(CA_FILE_ENV, "")
+        if self.tls and self.ca_file and not os.path.isfile(self.ca_file):
+            raise ConfigError(f"{self.kind} store: the CA bundle {self.ca_file!r} ({CA_FILE_ENV}) is not a file")
 
     def _make_client(self):
         raise NotImplementedError
@@ -239,10 +245,7 @@ class RedisStore(_RedisBase):
                  username: Optional[str] = None, timeout_s: float = 10.0, connect_timeout_s: float = 3.0,
                  prefix: str = "kvcodec:", tls: bool = False, ca_file: Optional[str] = None) -> None:
         super().__init__(username, password, timeout_s, connect_timeout_s, prefix)
-        self.tls = bool(tls)
-        self.ca_file = ca_file if ca_file is not None else os.environ.get(CA_FILE_ENV, "")
-        if self.tls and self.ca_file and not os.path.isfile(self.ca_file):
-            raise ConfigError(f"redis store: the CA bundle {self.ca_file!r} ({CA_FILE_ENV}) is not a file")
+        self._set_tls(tls, ca_file)
         if not isinstance(db, int) or db < 0:
             raise ConfigError(f"redis store db must be an integer >= 0, got {db!r}")
         self.host, self.port, self.db = host, int(port), db
@@ -269,26 +272,30 @@ class RedisStore(_RedisBase):
 
 
 class RedisClusterStore(_RedisBase):
-    """A redis cluster (``redis+cluster://[USER]:PASSWORD@HOST:PORT[,HOST:PORT...]``): any of the
-    nodes bootstraps the client, which then follows the cluster's slot map."""
+    """A redis cluster (``redis[s]+cluster://[USER]:PASSWORD@HOST:PORT[,HOST:PORT...]``): any of the
+    nodes bootstraps the client, which then follows the cluster's slot map (over TLS to every node
+    with ``rediss+cluster``)."""
 
     kind = "redis cluster"
 
     def __init__(self, nodes: List[Tuple[str, int]], password: Optional[str] = None, username: Optional[str] = None,
-                 timeout_s: float = 10.0, connect_timeout_s: float = 3.0, prefix: str = "kvcodec:") -> None:
+                 timeout_s: float = 10.0, connect_timeout_s: float = 3.0, prefix: str = "kvcodec:",
+                 tls: bool = False, ca_file: Optional[str] = None) -> None:
         super().__init__(username, password, timeout_s, connect_timeout_s, prefix)
+        self._set_tls(tls, ca_file)
         if not nodes:
             raise ConfigError("redis cluster store needs at least one HOST:PORT")
         self.nodes = [(h, int(p)) for h, p in nodes]
         auth = f"{username or ''}:***@" if self.password or username else ""
-        self.url = "redis+cluster://" + auth + ",".join(f"{h}:{p}" for h, p in self.nodes)
+        self.url = f"{'rediss' if self.tls else 'redis'}+cluster://" + auth + ",".join(f"{h}:{p}" for h, p in self.nodes)
 
     @classmethod
-    def from_url(cls, url: str) -> "RedisClusterStore":
-        user, password, hosts, path, query = _split(url, "redis+cluster")
+    def from_url(cls, url: str, ca_file: Optional[str] = None) -> "RedisClusterStore":
+        tls = urlsplit(url).scheme == "rediss+cluster"
+        user, password, hosts, path, query = _split(url, "rediss+cluster" if tls else "redis+cluster")
         if path.strip("/") not in ("", "0"):
             raise ConfigError(f"redis cluster store URL {url!r}: a cluster has only database 0")
-        return cls(hosts, password, user, **_options(url, query))
+        return cls(hosts, password, user, tls=tls, ca_file=ca_file, **_options(url, query))
 
     def _make_client(self):
         from redis.cluster import ClusterNode, RedisCluster

@@ -2,7 +2,8 @@
 replicas). Password required, no persistence; config, logs and the cluster's node files live in a
 folder under ``root``. The password is handed to ``redis-cli`` through ``REDISCLI_AUTH``, never on a
 command line. ``tls=(cert, key, ca)`` (PEM files) makes a server that speaks only TLS on its port
-(``.url`` is ``rediss://``; clients are not asked for certificates).
+(``.url`` is ``rediss://``; clients are not asked for certificates); for a cluster, its nodes speak
+TLS to clients and on the cluster bus (``.url`` is ``rediss+cluster://``).
 """
 from __future__ import annotations
 
@@ -116,6 +117,8 @@ class _Node:
             conf_text += TLS.format(port=self.port, cert=cert, key=key, ca=ca)
         if self.cluster_bus_port is not None:
             conf_text += CLUSTER.format(dir=self.folder, bus_port=self.cluster_bus_port, password=self.password)
+            if self.tls:
+                conf_text += "tls-cluster yes\n"
         conf = self.folder / "redis.conf"
         conf.write_text(conf_text)
         conf.chmod(0o600)  # it holds the password
@@ -172,16 +175,19 @@ class RedisCluster:
     ``redis+cluster://:PASSWORD@HOST:P1,HOST:P2,...``."""
 
     def __init__(self, root: Path, host: str, base_port: int, password: str, nodes: int = 3, wrap: Wrap = None,
-                 bus_base_port: Optional[int] = None) -> None:
+                 bus_base_port: Optional[int] = None, tls: Optional[Tuple[Path, Path, Path]] = None) -> None:
         _check_password(password)
+        self.tls = tuple(Path(p).resolve() for p in tls) if tls else None
+        self._tls_context = ssl.create_default_context(cafile=str(self.tls[2])) if self.tls else None
         if nodes < 3:
             raise ServiceError(f"a redis cluster needs at least 3 masters, got nodes={nodes}")
         self.root, self.host, self.password, self.wrap = Path(root).resolve(), host, password, wrap
         bus = bus_base_port if bus_base_port is not None else base_port + 10000
         self.ports = [int(base_port) + i for i in range(nodes)]
-        self._nodes = [_Node(self.root / f"redis-cluster-{p}", host, p, password, wrap, bus + i)
+        self._nodes = [_Node(self.root / f"redis-cluster-{p}", host, p, password, wrap, bus + i, tls=self.tls)
                        for i, p in enumerate(self.ports)]
-        self.url = f"redis+cluster://:{quote(password, safe='')}@" + ",".join(f"{host}:{p}" for p in self.ports)
+        self.url = (f"{'rediss' if self.tls else 'redis'}+cluster://:{quote(password, safe='')}@"
+                    + ",".join(f"{host}:{p}" for p in self.ports))
 
     @property
     def pids(self) -> List[int]:
@@ -193,7 +199,8 @@ class RedisCluster:
         return self.pids[0] if self.pids else None
 
     def info(self, port: int) -> Dict[str, str]:
-        reply = _command(self.host, port, self.password, "CLUSTER", "INFO").decode(errors="replace")
+        reply = _command(self.host, port, self.password, "CLUSTER", "INFO", tls=self._tls_context).decode(
+            errors="replace")
         return dict(line.split(":", 1) for line in reply.splitlines() if ":" in line)
 
     def start(self, timeout_s: float = 30.0) -> "RedisCluster":
@@ -206,7 +213,8 @@ class RedisCluster:
             for n in self._nodes:
                 n.wait_ready(max(1.0, deadline - time.monotonic()))
             cli = binary("redis-cli", "redis-tools")
-            cmd = [cli, "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports), "--cluster-replicas", "0",
+            cmd = [cli, *(["--tls", "--cacert", str(self.tls[2])] if self.tls else []),
+                   "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports), "--cluster-replicas", "0",
                    "--cluster-yes"]
             cmd = list(self.wrap(cmd)) if self.wrap else cmd
             env = dict(os.environ, REDISCLI_AUTH=self.password)
