@@ -511,6 +511,11 @@ def test_save_after_a_miss_stores_the_chunks_the_pool_holds(store, replays, tmp_
         np.testing.assert_allclose(restored(store, lossy[i]), in_pool, atol=0.1)  # int8: stored again
     assert store.get(lossy[2]) == before[lossy[2]]  # present and sound: left as it was
     assert replay.worker.counters["saved_chunks"] == 2 + 3  # request 8 (a miss) saved its three too
+    from kvcodec.engines.trtllm_worker import QUEUES, writeback_stats
+
+    assert replay.worker.queue in QUEUES  # what the engine exports as kvcodec_writeback_total
+    own = replay.worker.queue.stats()
+    assert own["stored"] >= 1 and writeback_stats()["stored"] >= own["stored"]
     replay.finish(request)
 
 
