@@ -188,8 +188,9 @@ def test_make_decoder_names():
     assert isinstance(make_decoder("pyav"), PyAVDecoder)
     # "auto" falls back to software here when NVDEC cannot be opened
     assert make_decoder("auto").name in ("pyav", "nvdec")
-    with pytest.raises(Unsupported, match="nvdec, pyav"):
+    with pytest.raises(Unsupported) as err:
         make_decoder("vaapi")
+    assert "nvdec" in str(err.value) and "pyav" in str(err.value)  # the names it knows, in any order
 
 
 def test_hevc_decoder_is_made_once_and_released_by_close(q8, lossless_stream):

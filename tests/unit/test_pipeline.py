@@ -229,7 +229,7 @@ def test_fetch_yields_each_planned_chunk_with_its_place(memory_store, context, e
         assert (info.session, info.index, info.count, info.status) == ("sess", i, N_CHUNKS, "ok")
         assert info.key == key and data == stored and info.bytes == len(stored)
         assert (info.token_start, info.tokens, info.scheme) == (i * CHUNK, CHUNK, "int8-zstd")
-        assert info.s["fetch"] >= 0 and info.t["sent"] >= info.t["request"]
+        assert info.s["fetch"] > 0 and info.t["sent"] >= info.t["request"]  # the read was timed
 
 
 def test_a_chunk_that_vanishes_is_a_miss_from_there_on(context, encoded):
