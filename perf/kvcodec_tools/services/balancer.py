@@ -1,0 +1,136 @@
+"""nginx as a load balancer in front of several tritonservers: ``Balancer(root, host, backends)``.
+
+``backends``: ``(http_port, grpc_port)`` of each server (on ``backend_host``). The balancer listens on
+two ports of its own: HTTP/1.1 (``proxy_pass`` to an upstream of the servers' HTTP ports) and gRPC
+(``listen ... http2``, ``grpc_pass`` to an upstream of their gRPC ports), round-robin per request.
+Responses stream through unbuffered (a decoupled model's ``generate_stream`` / gRPC stream sends a
+response per token), with read timeouts of ``timeout_s``; request bodies of any size.
+
+``.http_url`` and ``.grpc_url`` are ``HOST:PORT`` as ``tritonclient`` takes them. Everything nginx
+writes (config, pid, logs, temp files) lives in ``root``. The deployment this mirrors is in
+docs/deploy-scale-out.md ("A load balancer").
+"""
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from kvcodec_tools.procs import Process, ServiceError, Wrap
+
+from . import binary, can_connect
+
+CONF = """\
+{user}worker_processes 1;
+daemon off;
+master_process on;
+pid {run}/nginx.pid;
+error_log {run}/error.log warn;
+
+events {{
+    worker_connections 1024;
+}}
+
+http {{
+    access_log off;
+    client_max_body_size 0;
+    client_body_temp_path {run}/client_body;
+    proxy_temp_path {run}/proxy;
+    fastcgi_temp_path {run}/fastcgi;
+    uwsgi_temp_path {run}/uwsgi;
+    scgi_temp_path {run}/scgi;
+
+    upstream triton_http {{
+{http_servers}
+        keepalive 32;
+    }}
+    upstream triton_grpc {{
+{grpc_servers}
+        keepalive 32;
+    }}
+
+    server {{
+        listen {host}:{http_port};
+        location / {{
+            proxy_pass http://triton_http;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout {timeout_s}s;
+            proxy_send_timeout {timeout_s}s;
+        }}
+    }}
+
+    server {{
+        listen {host}:{grpc_port} http2;
+        location / {{
+            grpc_pass grpc://triton_grpc;
+            grpc_read_timeout {timeout_s}s;
+            grpc_send_timeout {timeout_s}s;
+        }}
+    }}
+}}
+"""
+
+
+class Balancer:
+    def __init__(self, root: Path, host: str, http_port: int, grpc_port: int, backends: Sequence[Tuple[int, int]],
+                 backend_host: str = "127.0.0.1", timeout_s: int = 600, wrap: Wrap = None) -> None:
+        if not backends:
+            raise ServiceError("a balancer needs at least one backend (http_port, grpc_port)")
+        self.root, self.host = Path(root).resolve(), host
+        self.http_port, self.grpc_port = int(http_port), int(grpc_port)
+        self.backends: List[Tuple[int, int]] = [(int(h), int(g)) for h, g in backends]
+        self.backend_host, self.timeout_s, self.wrap = backend_host, int(timeout_s), wrap
+        self.http_url = f"{host}:{self.http_port}"
+        self.grpc_url = f"{host}:{self.grpc_port}"
+        self._process: Optional[Process] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._process.pid if self._process else None
+
+    def config(self) -> str:
+        user = ""
+        if os.geteuid() == 0:  # workers would drop to nobody, who cannot write root's folders
+            user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
+        servers = {k: "\n".join(f"        server {self.backend_host}:{ports[i]};" for ports in self.backends)
+                   for i, k in enumerate(("http_servers", "grpc_servers"))}
+        return CONF.format(user=user, run=self.root, host=self.host, http_port=self.http_port,
+                           grpc_port=self.grpc_port, timeout_s=self.timeout_s, **servers)
+
+    def start(self, timeout_s: float = 15.0) -> "Balancer":
+        if self._process and self._process.alive():
+            return self
+        nginx = binary("nginx", "nginx")
+        self.root.mkdir(parents=True, exist_ok=True)
+        conf = self.root / "nginx.conf"
+        conf.write_text(self.config())
+        pid_file = self.root / "nginx.pid"
+        pid_file.unlink(missing_ok=True)
+        log = self.root / "stdout.log"
+        cmd = [nginx, "-p", str(self.root), "-c", str(conf), "-e", str(self.root / "error.log")]
+        self._process = Process("nginx balancer", cmd, log, self.wrap).start()
+
+        def ready() -> bool:
+            try:  # the pid file is written after the sockets are bound: the listeners are ours
+                int(pid_file.read_text().strip())
+            except (OSError, ValueError):
+                return False
+            return can_connect(self.host, self.http_port) and can_connect(self.host, self.grpc_port)
+
+        self._process.wait_ready(ready, timeout_s, [log, self.root / "error.log"])
+        return self
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.stop()
+
+    def __enter__(self) -> "Balancer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
