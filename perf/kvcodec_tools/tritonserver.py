@@ -63,6 +63,15 @@ class Ports:
 
 
 def _pytriton_root() -> Path:
+    """The wheel's ``pytriton/tritonserver`` folder; ``KVCODEC_TRITON_ROOT`` names another one laid
+    out the same way (``bin/``, ``backends/python/``, ``python_backend_stubs/``, the libraries in
+    ``../../nvidia_pytriton.libs``): the GPU run's unpacked carry (``tests/gpu/triton_carry.py``)."""
+    override = os.environ.get("KVCODEC_TRITON_ROOT")
+    if override:
+        root = Path(override)
+        if not (root / "bin" / "tritonserver").is_file():
+            raise Unsupported(f"KVCODEC_TRITON_ROOT={override}: no bin/tritonserver there")
+        return root
     try:
         import pytriton
     except ImportError:

@@ -87,7 +87,12 @@ PROMPT_SOURCE = "perf/inputs/default.context.txt"
 PROMPT_TOKENS = 2 * CHUNK_TOKENS + 16
 MAX_TOKENS = 16
 AUTH_HEX = hashlib.blake2b(b"kvcodec-gpu-checks test key", digest_size=32).hexdigest()
-RUN_TIMEOUT_S = 480  # the run call's timeout_s: the checks' budgets (gpu_checks.BUDGETS) end first
+RUN_TIMEOUT_S = 600  # the run call's timeout_s (the most one call may run): gpu_checks (run.sh's LIMIT_S) and
+# then tests/gpu/ensemble_ttft.py (run.sh's TTFT_LIMIT_S) end first
+TRITON_STAGE = ".gpu-carry-triton"  # the third folder: tritonserver and the gpu repository (tests/gpu/triton_carry.py)
+TRITON_TIMEOUT_S = 60
+DEVICE_BUDGET_S = 15 * 60  # a session's device time, start-up, idle waits and transfers included
+STARTUP_S = 120  # a machine's start, measured ~1-2 min; the calls' transfers and gaps come out of the rest
 
 
 class CarryError(RuntimeError):
@@ -334,12 +339,37 @@ def stage_call(stage: str = STAGE) -> Dict[str, Any]:
     return {"command": command, "carry": [stage], "timeout_s": STAGE_TIMEOUT_S}
 
 
-def run_calls(carry: str = CARRY, stage: str = STAGE) -> List[Dict[str, Any]]:
-    """Every device call of the prepared run, in order (the second within ~30 s of the first)."""
+def triton_call(triton: str = TRITON_STAGE) -> Dict[str, Any]:
+    """The second ``run`` call: carries the tritonserver archive and the gpu repository (which stay on
+    the warm machine for the run call) and checks the archive against its manifest."""
+    command = ("bash tests/gpu/run.sh --stage-triton" if triton == TRITON_STAGE
+               else f"GPU_TRITON={triton} bash tests/gpu/run.sh --stage-triton")
+    return {"command": command, "carry": [triton], "timeout_s": TRITON_TIMEOUT_S}
+
+
+def run_calls(carry: str = CARRY, stage: str = STAGE, triton: str = TRITON_STAGE) -> List[Dict[str, Any]]:
+    """Every device call of the prepared run, in order, each within ~30 s of the one before: stage
+    nvCOMP, stage tritonserver, then the run (checks, then the ensemble TTFT)."""
     checks = run_call(carry)
     if stage != STAGE:
         checks["command"] = f"GPU_STAGE={stage} " + checks["command"]
-    return [stage_call(stage), checks]
+    if triton != TRITON_STAGE:
+        checks["command"] = f"GPU_TRITON={triton} " + checks["command"]
+    return [stage_call(stage), triton_call(triton), checks]
+
+
+def plan_seconds(calls: Sequence[Dict[str, Any]], startup_s: int = STARTUP_S) -> int:
+    """The device time the plan may take at most: the start and every call's timeout."""
+    return int(startup_s + sum(c["timeout_s"] for c in calls))
+
+
+def check_plan(calls: Sequence[Dict[str, Any]], budget_s: int = DEVICE_BUDGET_S) -> None:
+    total = plan_seconds(calls)
+    if total > budget_s:
+        raise CarryError(f"the device calls may take {total} s with the start, over the {budget_s} s of device time")
+    for c in calls:
+        if len(c["command"]) > 2000 or not 1 <= c["timeout_s"] <= 600 or len(c["carry"]) > 8:
+            raise CarryError(f"device call {c['command']!r}: over the run tool's limits")
 
 
 # -- prepare ------------------------------------------------------------------------------------------
@@ -508,6 +538,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--site", default="/tmp/site", help="nvidia-namespace: where the wheels were installed")
     ap.add_argument("--carry", default=str(REPO / CARRY))
     ap.add_argument("--stage", default=str(REPO / STAGE), help="the folder the stage call carries")
+    ap.add_argument("--triton", default=str(REPO / TRITON_STAGE), help="the folder the triton stage call carries")
     args = ap.parse_args(argv)
     carry, stage = Path(args.carry), Path(args.stage)
     try:
@@ -527,14 +558,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{stage.name}: staged, {len(load_manifest(stage, STAGE_FORMAT)['chunks'])} chunks and the wheels "
                   f"as the manifest says")
         if args.action in ("prepare", "sizes"):
-            for folder, what in ((stage, "stage call"), (carry, "checks call")):
+            calls = ((stage, "stage call"), (carry, "checks call"))
+            if (Path(args.triton) / MANIFEST).is_file():
+                calls = ((stage, "stage call"), (Path(args.triton), "triton stage call"), (carry, "checks call"))
+            for folder, what in calls:
                 report = sizes(REPO, folder)
                 print(f"sizes ({what}):", json.dumps(report))
                 check_sizes(report)
         if args.action == "nvidia-namespace":
             print(nvidia_namespace(Path(args.site)))
         if args.action == "run-call":
-            print(json.dumps(run_calls(os.path.relpath(carry, REPO), os.path.relpath(stage, REPO))))
+            calls = run_calls(os.path.relpath(carry, REPO), os.path.relpath(stage, REPO),
+                              os.path.relpath(Path(args.triton), REPO))
+            check_plan(calls)
+            for call in calls:
+                print(json.dumps(call))
+            print(f"device time: at most {plan_seconds(calls)} s of {DEVICE_BUDGET_S} s (start ~{STARTUP_S} s "
+                  f"+ the timeouts)")
     except CarryError as exc:
         print(f"carry: {exc}", file=sys.stderr)
         return 1

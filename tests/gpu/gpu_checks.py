@@ -64,10 +64,12 @@ import numpy as np
 from . import carry as carry_mod
 
 SCHEMA = "kvcodec-gpu-checks/1"
-# Seconds per check, its process's start (torch import, CUDA context) included; 385 in all (the H200
-# run of the five checks before nvcomp took 58 s; the dry run on a loaded 2-core CPU, 123 s).
-BUDGETS: Dict[str, int] = {"env": 30, "nvdec_digest": 45, "nvdec_throughput": 100, "nvcomp": 45, "restore_gpu": 45,
-                           "engine": 120}
+# Seconds per check, its process's start (torch import, CUDA context) included; 325 in all (the H200
+# run of the five checks before nvcomp took 58 s; the dry run on a loaded 2-core CPU, 123 s):
+# nvdec_throughput and engine trimmed from 100 and 120 s to leave the run call room for
+# tests/gpu/ensemble_ttft.py
+BUDGETS: Dict[str, int] = {"env": 30, "nvdec_digest": 45, "nvdec_throughput": 80, "nvcomp": 45, "restore_gpu": 45,
+                           "engine": 80}
 CONCURRENCY = (1, 2, 4, 7)  # NVDEC sessions; the H200 has 7 NVDEC engines
 THROUGHPUT_S = {False: 1.5, True: 0.4}  # seconds measured per (rung, mode, threads); by dry_run
 NVCOMP_S = {False: 1.0, True: 0.3}  # seconds of nvCOMP decode measured per chunk

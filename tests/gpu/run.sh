@@ -5,37 +5,52 @@
 #   bash tests/gpu/run.sh --dry-run   here, on a CPU machine with .venv/: makes the carried folders
 #                                     .gpu-carry/ (PyNvVideoCodec wheel, tiny model, chunks, manifest)
 #                                     and .gpu-carry-nvcomp/ (nvCOMP's wheels, entropy chunks; the
-#                                     stage: tests/gpu/carry.py), checks each against 64 MiB, runs
-#                                     every check with PyAV and zstd on the CPU, prints the two device
-#                                     calls to make, back to back
+#                                     stage: tests/gpu/carry.py) and .gpu-carry-triton/ (tritonserver,
+#                                     its python backend and 3.12 stub and libraries as tar.xz, the gpu
+#                                     repository: tests/gpu/triton_carry.py), checks each against
+#                                     64 MiB, runs every check with PyAV and zstd on the CPU, runs
+#                                     tests/gpu/ensemble_ttft.py --dry-run (tritonserver from .venv, the
+#                                     CPU repository, 100 Mbit/s), prints the three device calls to
+#                                     make, back to back
 #   bash tests/gpu/run.sh --stage     there, first call (carries .gpu-carry-nvcomp/, which stays on
 #                                     the warm machine): checks the staged files
-#   bash tests/gpu/run.sh             there, second call: installs the carried wheels (and the
+#   bash tests/gpu/run.sh --stage-triton
+#                                     there, second call (carries .gpu-carry-triton/, which stays on
+#                                     the warm machine): checks the archive against its manifest
+#   bash tests/gpu/run.sh             there, third call: installs the carried wheels (and the
 #                                     stage's) into /tmp/site, runs tests/gpu/gpu_checks.py (NVDEC,
 #                                     nvCOMP, CUDA), writes gpu_checks.json and gpu_checks.log to $OUT
-#                                     (else here); exit 1 if a check failed
+#                                     (else here); then tests/gpu/ensemble_ttft.py (the ensemble on
+#                                     tritonserver on the GPU, TTFT per rung at 1, 10, 40 Gbit/s):
+#                                     gpu_ttft.json, gpu_ttft.png, gpu_ttft.log; exit 1 if either failed
 #
-# GPU_CARRY / GPU_STAGE name other carried folders; PYTHON another interpreter (there: python3).
+# GPU_CARRY / GPU_STAGE / GPU_TRITON name other carried folders; PYTHON another interpreter (there: python3).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 CARRY=${GPU_CARRY:-.gpu-carry}
 STAGE=${GPU_STAGE:-.gpu-carry-nvcomp}
-LIMIT_S=450  # the checks' budgets (gpu_checks.BUDGETS) add up to 385 s
+TRITON=${GPU_TRITON:-.gpu-carry-triton}
+LIMIT_S=360  # the checks' budgets (gpu_checks.BUDGETS) add up to 325 s
+TTFT_LIMIT_S=200  # tests/gpu/ensemble_ttft.py's budget (BUDGET_S, 180 s) and the server's stop
+DRY_TTFT_LIMIT_S=300
 
 dry_run() {
     local py=${PYTHON:-.venv/bin/python} t0=$SECONDS rc
     [ -x "$py" ] || { echo "run.sh --dry-run: $py is missing (make setup)" >&2; return 2; }
-    export PYTHONPATH="$PWD/backends:$PWD" PYTHONUNBUFFERED=1
+    export PYTHONPATH="$PWD/backends:$PWD:$PWD/perf:$PWD/clients" PYTHONUNBUFFERED=1
     "$py" -m tests.gpu.carry prepare --carry "$CARRY" --stage "$STAGE" || return 1
+    "$py" -m tests.gpu.triton_carry prepare --stage "$TRITON" || return 1
     "$py" -m tests.gpu.carry verify-stage --stage "$STAGE" || return 1
     "$py" -m tests.gpu.gpu_checks --device-imports --carry "$CARRY" --stage "$STAGE" || return 1
     "$py" -m tests.gpu.gpu_checks --dry-run --carry "$CARRY" --stage "$STAGE" --json "${OUT:-$CARRY}/gpu_checks.dry-run.json"
     rc=$?
-    "$py" -m tests.gpu.carry sizes --carry "$CARRY" --stage "$STAGE" || return 1
+    timeout "$DRY_TTFT_LIMIT_S" "$py" -m tests.gpu.ensemble_ttft --dry-run --runs 2 --carry "$CARRY" \
+        --stage "$STAGE" --triton "$TRITON" --json "${OUT:-$CARRY}/gpu_ttft.dry-run.json" || rc=1
+    "$py" -m tests.gpu.carry sizes --carry "$CARRY" --stage "$STAGE" --triton "$TRITON" || return 1
     echo "dry run: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || return "$rc"
     echo "On a session with a GPU, call the device tool 'run' with each of these, in order, back to back:"
-    "$py" -m tests.gpu.carry run-call --carry "$CARRY" --stage "$STAGE"
+    "$py" -m tests.gpu.carry run-call --carry "$CARRY" --stage "$STAGE" --triton "$TRITON"
 }
 
 stage_run() {
@@ -44,6 +59,14 @@ stage_run() {
     local py=${PYTHON:-python3}
     export PYTHONPATH="$PWD/backends:$PWD"
     "$py" -m tests.gpu.carry verify-stage --stage "$STAGE"
+}
+
+stage_triton() {
+    # The second device call: checks the carried archive against its manifest; the carried folder
+    # stays on the warm machine, where the run call (next) unpacks the server (a few seconds).
+    local py=${PYTHON:-python3}
+    export PYTHONPATH="$PWD/backends:$PWD"
+    "$py" -m tests.gpu.triton_carry verify --stage "$TRITON"
 }
 
 nvdec_library_path() {
@@ -81,16 +104,36 @@ device_run() {
     return "$rc"
 }
 
+ttft_run() {
+    # The ensemble on the GPU (tests/gpu/ensemble_ttft.py): its own log, its own limit.
+    local py=${PYTHON:-python3} out=${OUT:-.} rc
+    [ -f "$TRITON/manifest.json" ] || { echo "no $TRITON/manifest.json: the --stage-triton call did not run just before"; return 2; }
+    export PYTHONPATH="/tmp/site:$PWD/backends:$PWD:$PWD/perf:$PWD/clients" PYTHONUNBUFFERED=1
+    nvdec_library_path
+    timeout "$TTFT_LIMIT_S" "$py" -m tests.gpu.ensemble_ttft --carry "$CARRY" --stage "$STAGE" --triton "$TRITON" \
+        --json "$out/gpu_ttft.json"
+    rc=$?
+    [ "$rc" -eq 124 ] && echo "ensemble ttft: stopped after $TTFT_LIMIT_S s; $out/gpu_ttft.json holds the rows that finished"
+    return "$rc"
+}
+
 if [ "${1:-}" = "--dry-run" ]; then
     dry_run
     exit $?
 elif [ "${1:-}" = "--stage" ]; then
     stage_run
     exit $?
+elif [ "${1:-}" = "--stage-triton" ]; then
+    stage_triton
+    exit $?
 elif [ $# -gt 0 ]; then
-    echo "usage: bash tests/gpu/run.sh [--dry-run | --stage]" >&2
+    echo "usage: bash tests/gpu/run.sh [--dry-run | --stage | --stage-triton]" >&2
     exit 2
 fi
 mkdir -p "${OUT:-.}"
 device_run 2>&1 | tee "${OUT:-.}/gpu_checks.log"
-exit "${PIPESTATUS[0]}"
+checks_rc=${PIPESTATUS[0]}
+ttft_run 2>&1 | tee "${OUT:-.}/gpu_ttft.log"
+ttft_rc=${PIPESTATUS[0]}
+[ "$checks_rc" -eq 0 ] || exit "$checks_rc"
+exit "$ttft_rc"

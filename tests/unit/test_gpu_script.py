@@ -234,13 +234,15 @@ def test_without_the_stage_call_the_nvcomp_check_says_to_make_it(tmp_path):
 
 
 def test_the_device_calls_stage_first_then_run_the_checks_each_within_its_limit():
-    stage, checks = carry.run_calls()
+    stage, triton, checks = carry.run_calls()
     assert stage == {"command": "bash tests/gpu/run.sh --stage", "carry": [carry.STAGE],
                      "timeout_s": carry.STAGE_TIMEOUT_S}
+    assert triton == {"command": "bash tests/gpu/run.sh --stage-triton", "carry": [carry.TRITON_STAGE],
+                      "timeout_s": carry.TRITON_TIMEOUT_S}
     assert checks == carry.run_call() and checks["carry"] == [carry.CARRY]
-    assert all(len(c["command"]) <= 2000 and c["timeout_s"] <= 600 for c in (stage, checks))
+    assert all(len(c["command"]) <= 2000 and c["timeout_s"] <= 600 for c in (stage, triton, checks))
     other = carry.run_calls("c2", "s2")
-    assert other[0]["command"].startswith("GPU_STAGE=s2 ") and other[1]["command"].startswith("GPU_STAGE=s2 GPU_CARRY=c2 ")
+    assert other[0]["command"].startswith("GPU_STAGE=s2 ") and other[2]["command"].startswith("GPU_STAGE=s2 GPU_CARRY=c2 ")
     assert "nvcomp" in gpu_checks.BUDGETS and max(gpu_checks.CONCURRENCY) == 7
     text = RUN_SH.read_text()
     assert '--stage)' not in text and '"--stage" ]' in text  # run.sh takes the stage call's flag
