@@ -200,7 +200,10 @@ def run(args) -> int:
     extra["missed"] = missed
     write_json(json_path, result_json(rows, device=device, rates_gbit=rates, dry_run=dry, extra=extra))
     if rows:
-        plot(rows, png_path)
+        try:
+            plot(rows, png_path)
+        except Exception as exc:  # matplotlib missing or broken: the JSON is the result
+            print(f"no plot: {exc!r}")
     print(f"wrote {json_path} ({len(rows)} rows, {extra['wall_s']} s)")
     if missed:
         print("NO REUSE: " + "; ".join(missed))
