@@ -104,6 +104,25 @@ def write_json(path: Path, data: Dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def missing_libs(root: Path, library_path: str) -> List[str]:
+    """The libraries ``ldd`` cannot find for the server, its python backend and the stub, with
+    ``library_path`` as the server's ``LD_LIBRARY_PATH`` (say a missing ``libpython3.12.so.1.0``
+    in seconds rather than after the server's start timeout)."""
+    import subprocess
+
+    stub = root / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}" / "triton_python_backend_stub"
+    binaries = [root / "bin" / "tritonserver", root / "backends" / "python" / "libtriton_python.so", stub]
+    env = dict(os.environ, LD_LIBRARY_PATH=library_path)
+    missing = set()
+    for binary in binaries:
+        if not binary.is_file():
+            missing.add(f"{binary.name} (the file itself)")
+            continue
+        out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, env=env).stdout
+        missing |= {line.split("=>")[0].strip() for line in out.splitlines() if "not found" in line}
+    return sorted(missing)
+
+
 def _device() -> str:
     try:
         import torch
@@ -151,6 +170,13 @@ def run(args) -> int:
         rungs = [e["rung"] for e in entries]  # the ones carried (the stage's only where it was staged)
         extra.update(rungs=rungs, keys=keys, repository=str(repository))
         os.environ["KVCODEC_CHUNK_KEY"] = manifest["auth_key_hex"]
+        if not dry:
+            env = TritonServer(repository, Settings.load({"home": str(work / "home")}), Ports()).environment()
+            extra["missing_libs"] = missing_libs(Path(os.environ["KVCODEC_TRITON_ROOT"]), env["LD_LIBRARY_PATH"])
+            if extra["missing_libs"]:
+                write_json(json_path, result_json(rows, device=device, rates_gbit=rates, dry_run=dry, extra=extra))
+                print("tritonserver cannot start, libraries not found: " + ", ".join(extra["missing_libs"]))
+                return 1
         store = serve(work / "store")
         store_port = store.server_address[1]
         ids = manifest["prompt"]["ids"]

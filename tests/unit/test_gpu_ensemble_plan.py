@@ -116,3 +116,11 @@ def test_the_store_layout_puts_each_chunk_under_its_key(tmp_path):
     keys = ensemble_ttft.store_layout([{"rung": "video", "key": "m/s/abc", "file": "chunks/0.kvc"}], [src],
                                       tmp_path / "store")
     assert keys == {"video": "m/s/abc"} and (tmp_path / "store" / "m" / "s" / "abc.kvc").read_bytes() == b"data"
+
+
+def test_the_preflight_names_the_stub_when_this_python_has_none(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "tritonserver").write_bytes(b"")
+    missing = ensemble_ttft.missing_libs(tmp_path, "")
+    assert "triton_python_backend_stub (the file itself)" in missing
+    assert "libtriton_python.so (the file itself)" in missing
