@@ -409,7 +409,8 @@ def concurrency_config(args):
     try:
         return ConcurrencyConfig(args.clients, requests=args.requests, context_tokens=args.context_tokens,
                                  contexts=args.contexts, max_tokens=args.max_tokens,
-                                 threads=args.threads if args.threads is not None else 2)
+                                 threads=args.threads if args.threads is not None else 2,
+                                 servers=args.servers)
     except ValueError as exc:
         raise SystemExit(f"kvcodec bench concurrency: {exc}") from None
 
@@ -570,6 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-tokens", type=int, default=600)
     p.add_argument("--contexts", type=int, default=3, help="different contexts the prompts are made of")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--servers", type=int, default=1, help="tritonservers on the one store; more than 1: behind "
+                                                         "an nginx load balancer, clients through it")
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "concurrency.json"))
     p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "concurrency.png"))
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))

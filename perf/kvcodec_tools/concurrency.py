@@ -6,6 +6,9 @@
    the engine (vLLM steps it on a thread of its own; the server starts its own engine).
 2. Starts one tritonserver on the model repository with that store (ladder ``raw``, the adaptive
    fetcher off: every reuse request fetches; write-back at ``raw``, which is stored already).
+   ``--servers N`` (N > 1): N tritonservers, each its own home (logs, cost model), the one store and
+   chunk key, behind the nginx ``Balancer`` (round-robin); the clients go through the balancer.
+   Rows carry ``servers``; runs at other server counts are kept in the JSON, side by side.
 3. Asks every prompt (context + question) alone, once with reuse and once with prefill, one after
    the other: the reference answers (and reuse's must equal prefill's).
 4. For each client count ``C``: ``C`` threads, each with its own gRPC client
@@ -48,8 +51,11 @@ class ConcurrencyConfig:
     contexts: int = 3
     max_tokens: int = 16
     threads: int = 2
+    servers: int = 1  # tritonservers on the one store; > 1: behind the nginx Balancer, clients through it
 
     def __post_init__(self) -> None:
+        if self.servers < 1:
+            raise ValueError(f"servers must be >= 1, got {self.servers}")
         if not self.clients or any(c < 1 for c in self.clients):
             raise ValueError(f"clients must be counts >= 1, got {self.clients}")
         if self.requests < 1 or self.contexts < 1 or self.max_tokens < 1:
@@ -128,21 +134,25 @@ def summarize(engine: str, clients: int, samples: Sequence[Sample], wall_s: floa
 def add_speedups(rows: List[dict]) -> List[dict]:
     """``speedup_vs_1`` on every row: its requests/s over the clients=1 row of the same engine and
     mode (None without one)."""
-    base = {(r["engine"], r["mode"]): r["requests_per_s"] for r in rows if r["clients"] == 1}
+    base = {(r["engine"], r.get("servers", 1), r["mode"]): r["requests_per_s"] for r in rows if r["clients"] == 1}
     for r in rows:
-        b = base.get((r["engine"], r["mode"]))
+        b = base.get((r["engine"], r.get("servers", 1), r["mode"]))
         r["speedup_vs_1"] = round(r["requests_per_s"] / b, 3) if b and r["requests_per_s"] is not None else None
     return rows
 
 
-def merge(existing: Optional[dict], engine: str, rows: List[dict], meta: dict) -> dict:
-    """The JSON document: ``existing``'s rows and metadata of other engines, this engine's replaced."""
+def merge(existing: Optional[dict], engine: str, rows: List[dict], meta: dict, servers: int = 1) -> dict:
+    """The JSON document: ``existing``'s rows and metadata of other engines (or server counts), this
+    engine's at ``servers`` replaced (metadata under ``engine``, or ``engine/servers=N`` for N > 1)."""
     existing = existing if isinstance(existing, dict) else {}
-    kept = [r for r in existing.get("rows", []) if isinstance(r, dict) and r.get("engine") != engine]
-    engines = {k: v for k, v in (existing.get("engines") or {}).items() if k != engine}
-    engines[engine] = meta
+    name = engine if servers == 1 else f"{engine}/servers={servers}"
+    kept = [r for r in existing.get("rows", []) if isinstance(r, dict)
+            and (r.get("engine") != engine or r.get("servers", 1) != servers)]
+    engines = {k: v for k, v in (existing.get("engines") or {}).items() if k != name}
+    engines[name] = meta
     order = {name: i for i, name in enumerate(MODES)}
-    merged = sorted(kept + rows, key=lambda r: (r["engine"], r["clients"], order.get(r["mode"], len(order))))
+    merged = sorted(kept + rows, key=lambda r: (r["engine"], r.get("servers", 1), r["clients"],
+                                                order.get(r["mode"], len(order))))
     return {"rows": merged, "engines": dict(sorted(engines.items())),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_count": os.cpu_count()}
 
@@ -179,17 +189,18 @@ def plot(rows: List[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     styles = {"all": "-", "reuse": "--", "prefill": ":"}
-    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    engines = list(dict.fromkeys((r["engine"], r.get("servers", 1)) for r in rows))
     colors = {e: f"C{i}" for i, e in enumerate(engines)}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for engine in engines:
         for mode in MODES:
             pts = sorted((r["clients"], r["requests_per_s"], r["ttft_p50_s"]) for r in rows
-                         if r["engine"] == engine and r["mode"] == mode and r["requests_per_s"] is not None)
+                         if (r["engine"], r.get("servers", 1)) == engine and r["mode"] == mode
+                         and r["requests_per_s"] is not None)
             if not pts:
                 continue
             xs, rps, ttft = zip(*pts, strict=True)
-            kw = dict(color=colors[engine], linestyle=styles.get(mode, "-"), marker="o", label=f"{engine} {mode}")
+            kw = dict(color=colors[engine], linestyle=styles.get(mode, "-"), marker="o", label=f"{engine[0]}{'' if engine[1] == 1 else f' x{engine[1]} servers'} {mode}")
             left.plot(xs, rps, linewidth=2.5 if mode == "all" else 1.2, **kw)
             if mode != "all":  # all mixes reuse and prefill: its TTFT says little
                 right.plot(xs, ttft, linewidth=1.5, **kw)
@@ -242,13 +253,27 @@ def run_concurrency(settings, repository: Path, config: ConcurrencyConfig, json_
     rows: List[dict] = []
     failures: List[str] = []
     references: Dict[Tuple[int, str], object] = {}
-    server = TritonServer(repository, settings, Ports(*free_ports(3)))
-    print(f"starting tritonserver ({engine_name}) ...", flush=True)
-    server.start(timeout_s=600)
+    # each server its own home (logs, cost model); the store and chunk key are shared
+    servers = [TritonServer(repository, settings if config.servers == 1 else
+                            replace(settings, home=work / f"server{i}"), Ports(*free_ports(3)))
+               for i in range(config.servers)]
+    balancer = None
+    print(f"starting {config.servers} tritonserver(s) ({engine_name}) ...", flush=True)
     try:
-        client = KVCodecClient(server.grpc_url, "grpc")
-        for mode in ("reuse", "prefill"):  # one-time costs of each step (imports, first calls)
-            client.generate(prompts[0], config.max_tokens, reuse=mode == "reuse")
+        for server in servers:
+            server.start(timeout_s=600)
+        url = servers[0].grpc_url
+        if config.servers > 1:
+            from .services.balancer import Balancer
+
+            http_port, grpc_port = free_ports(2)
+            balancer = Balancer(work / "balancer", "127.0.0.1", http_port, grpc_port,
+                                [(s.ports.http, s.ports.grpc) for s in servers]).start()
+            url = balancer.grpc_url
+        client = KVCodecClient(url, "grpc")
+        for _ in servers:  # one-time costs of each step (imports, first calls), on every server
+            for mode in ("reuse", "prefill"):
+                client.generate(prompts[0], config.max_tokens, reuse=mode == "reuse")
         # 2. The reference answers: every prompt alone, reuse and prefill, one after the other.
         for p, prompt in enumerate(tqdm(prompts, desc="references (alone)", unit="prompt")):
             for mode in ("reuse", "prefill"):
@@ -263,8 +288,10 @@ def run_concurrency(settings, repository: Path, config: ConcurrencyConfig, json_
         with tqdm(total=total, unit="req", desc="levels") as bar:
             for clients in config.clients:
                 bar.set_postfix_str(f"{clients} clients")
-                samples, wall_s = _level(server.grpc_url, clients, prompts, references, config, bar)
+                samples, wall_s = _level(url, clients, prompts, references, config, bar)
                 level = summarize(engine_name, clients, samples, wall_s)
+                for r in level:
+                    r["servers"] = config.servers
                 rows += level
                 for s in samples:
                     if s.error:
@@ -273,7 +300,10 @@ def run_concurrency(settings, repository: Path, config: ConcurrencyConfig, json_
                         failures.append(f"{clients} clients, client {s.client}: {s.mode} prompt {s.prompt}: "
                                         f"{s.tokens} != alone {references[s.prompt, s.mode].tokens}")
     finally:
-        server.stop()
+        if balancer is not None:
+            balancer.stop()
+        for server in servers:
+            server.stop()
 
     add_speedups(rows)
     meta = {
@@ -289,7 +319,7 @@ def run_concurrency(settings, repository: Path, config: ConcurrencyConfig, json_
                        for (p, m), r in sorted(references.items())],
         "failures": failures[:50],
     }
-    doc = merge(read_json(json_path), engine_name, rows, meta)
+    doc = merge(read_json(json_path), engine_name, rows, meta, config.servers)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
     print_table(doc["rows"])
