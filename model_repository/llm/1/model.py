@@ -179,16 +179,18 @@ class _Metrics:
                                             counter)
         self.bytes = pb_utils.MetricFamily("kvcodec_fetched_bytes_total", "KV chunk bytes fetched", counter)
         self._by_outcome = {}
-        self._cancelled = pb_utils.MetricFamily("kvcodec_cancelled_total",
-                                                "Requests whose client went away before the last token", counter
-                                                ).Metric(labels={})
+        # a MetricFamily must outlive its metrics (a deleted family fails their updates): each is kept
+        self.cancels = pb_utils.MetricFamily("kvcodec_cancelled_total",
+                                             "Requests whose client went away before the last token", counter)
+        self._cancelled = self.cancels.Metric(labels={})
         self._tokens = self.tokens.Metric(labels={})
         self._bytes = self.bytes.Metric(labels={})
-        saves = pb_utils.MetricFamily("kvcodec_writeback_total", "Write-back jobs after a miss, by state (queued, "
-                                      "stored, dropped: queue full, failed: the store refused)", counter)
-        self._saves = {state: saves.Metric(labels={"state": state}) for state in COUNTS}
-        self._pending = pb_utils.MetricFamily("kvcodec_writeback_pending", "Write-back jobs waiting or running",
-                                              pb_utils.MetricFamily.GAUGE).Metric(labels={})
+        self.saves = pb_utils.MetricFamily("kvcodec_writeback_total", "Write-back jobs after a miss, by state "
+                                           "(queued, stored, dropped: queue full, failed: the store refused)", counter)
+        self._saves = {state: self.saves.Metric(labels={"state": state}) for state in COUNTS}
+        self.pending = pb_utils.MetricFamily("kvcodec_writeback_pending", "Write-back jobs waiting or running",
+                                             pb_utils.MetricFamily.GAUGE)
+        self._pending = self.pending.Metric(labels={})
         self._save_increments = Increments()
 
     def writeback(self, engine):
