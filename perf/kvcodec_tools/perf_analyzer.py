@@ -264,11 +264,27 @@ def _portable_args(args: List[str], input_json: Path, profile_path: Path) -> Lis
     return [shown if a == str(input_json) else profile_path.name if a == str(profile_path) else a for a in args]
 
 
+RELAXED_STABILITY = 100  # a second try's stability percentage, after perf_analyzer found none
+
+
 def run_targets(targets: Iterable[Target], input_jsons: Sequence[Union[str, Path]], context_tokens: int,
                 **options) -> List[dict]:
-    """One row per (target, input-data file), in that order; options go to ``run_perf_analyzer``."""
-    return [run_perf_analyzer(t.grpc_url, path, t.label, t.bandwidth_mbps, context_tokens, **options)
-            for t in targets for path in input_jsons]
+    """One row per (target, input-data file), in that order; options go to ``run_perf_analyzer``.
+    A measurement perf_analyzer calls unstable (on a shared machine its windows can stay more than
+    ``stability_percentage`` apart) is taken again once with ``RELAXED_STABILITY``; the row's
+    ``perf_analyzer_args`` say which rule held."""
+    rows = []
+    for t in targets:
+        for path in input_jsons:
+            try:
+                rows.append(run_perf_analyzer(t.grpc_url, path, t.label, t.bandwidth_mbps, context_tokens, **options))
+            except UnstableMeasurement:
+                if options.get("stability_percentage", 50) >= RELAXED_STABILITY:
+                    raise
+                options.get("log", print)(f"  unstable: again with --stability-percentage {RELAXED_STABILITY}")
+                rows.append(run_perf_analyzer(t.grpc_url, path, t.label, t.bandwidth_mbps, context_tokens,
+                                              **dict(options, stability_percentage=RELAXED_STABILITY)))
+    return rows
 
 
 def write_results(rows: List[dict], path: Union[str, Path] = RESULTS_PATH, version: Optional[str] = None) -> dict:
