@@ -12,15 +12,12 @@ docs/deploy-scale-out.md ("A load balancer").
 """
 from __future__ import annotations
 
-import grp
-import os
-import pwd
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from kvcodec_tools.procs import Process, ServiceError, Wrap
 
-from . import binary, can_connect
+from .nginx import start_nginx, user_line
 
 CONF = """\
 {user}worker_processes 1;
@@ -94,9 +91,7 @@ class Balancer:
         return self._process.pid if self._process else None
 
     def config(self) -> str:
-        user = ""
-        if os.geteuid() == 0:  # workers would drop to nobody, who cannot write root's folders
-            user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
+        user = user_line()
         servers = {k: "\n".join(f"        server {self.backend_host}:{ports[i]};" for ports in self.backends)
                    for i, k in enumerate(("http_servers", "grpc_servers"))}
         return CONF.format(user=user, run=self.root, host=self.host, http_port=self.http_port,
@@ -105,24 +100,11 @@ class Balancer:
     def start(self, timeout_s: float = 15.0) -> "Balancer":
         if self._process and self._process.alive():
             return self
-        nginx = binary("nginx", "nginx")
         self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "nginx.conf"
         conf.write_text(self.config())
-        pid_file = self.root / "nginx.pid"
-        pid_file.unlink(missing_ok=True)
-        log = self.root / "stdout.log"
-        cmd = [nginx, "-p", str(self.root), "-c", str(conf), "-e", str(self.root / "error.log")]
-        self._process = Process("nginx balancer", cmd, log, self.wrap).start()
-
-        def ready() -> bool:
-            try:  # the pid file is written after the sockets are bound: the listeners are ours
-                int(pid_file.read_text().strip())
-            except (OSError, ValueError):
-                return False
-            return can_connect(self.host, self.http_port) and can_connect(self.host, self.grpc_port)
-
-        self._process.wait_ready(ready, timeout_s, [log, self.root / "error.log"])
+        self._process = start_nginx("nginx balancer", self.root, conf, self.host, [self.http_port, self.grpc_port],
+                                    self.wrap, timeout_s)
         return self
 
     def stop(self) -> None:

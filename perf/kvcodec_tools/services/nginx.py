@@ -12,7 +12,7 @@ import os
 import pwd
 import re
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from kvcodec_tools.procs import Process, ServiceError, Wrap
 
@@ -82,6 +82,36 @@ http {{
 """
 
 
+def user_line() -> str:
+    """nginx.conf's ``user`` line: as root, workers would drop to nobody, who cannot write root's folders."""
+    if os.geteuid() != 0:
+        return ""
+    return f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
+
+
+def start_nginx(name: str, run_dir: Path, conf: Path, host: str, ports: Sequence[int], wrap: Wrap,
+                timeout_s: float) -> Process:
+    """nginx on ``conf`` (pid, logs and temp files in ``run_dir``), ready once it listens on ``ports``."""
+    nginx = binary("nginx", "nginx")
+    log = run_dir / "stdout.log"
+    pid_file = run_dir / "nginx.pid"
+    pid_file.unlink(missing_ok=True)
+    cmd = [nginx, "-p", str(run_dir), "-c", str(conf), "-e", str(run_dir / "error.log")]
+    process = Process(name, cmd, log, wrap).start()
+
+    def ready() -> bool:
+        # nginx writes its pid file (removed above) after binding its sockets, so a listener
+        # found then is ours, not someone else's on the same port.
+        try:
+            int(pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return False
+        return all(can_connect(host, port) for port in ports)
+
+    process.wait_ready(ready, timeout_s, [log, run_dir / "error.log"])
+    return process
+
+
 class NginxStore:
     def __init__(self, root: Path, host: str, port: int, token: str, prefix: str = "kv", wrap: Wrap = None,
                  workers: int = 1, tls: Optional[Tuple[Path, Path]] = None) -> None:
@@ -106,9 +136,7 @@ class NginxStore:
     def _write_config(self) -> Path:
         self.data.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        user = ""
-        if os.geteuid() == 0:  # workers would drop to nobody, who cannot write root's folders
-            user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};\n"
+        user = user_line()
         listen_host = f"[{self.host}]" if ":" in self.host else self.host
         conf = self.run_dir / "nginx.conf"
         tls = ""
@@ -123,24 +151,8 @@ class NginxStore:
     def start(self, timeout_s: float = 15.0) -> "NginxStore":
         if self._process and self._process.alive():
             return self
-        nginx = binary("nginx", "nginx")
-        conf = self._write_config()
-        log = self.run_dir / "stdout.log"
-        pid_file = self.run_dir / "nginx.pid"
-        pid_file.unlink(missing_ok=True)
-        cmd = [nginx, "-p", str(self.run_dir), "-c", str(conf), "-e", str(self.run_dir / "error.log")]
-        self._process = Process("nginx", cmd, log, self.wrap).start()
-
-        def ready() -> bool:
-            # nginx writes its pid file (removed above) after binding its sockets, so a listener
-            # found then is ours, not someone else's on the same port.
-            try:
-                int(pid_file.read_text().strip())
-            except (OSError, ValueError):
-                return False
-            return can_connect(self.host, self.port)
-
-        self._process.wait_ready(ready, timeout_s, [log, self.run_dir / "error.log"])
+        self._process = start_nginx("nginx", self.run_dir, self._write_config(), self.host, [self.port], self.wrap,
+                                    timeout_s)
         return self
 
     def stop(self) -> None:
