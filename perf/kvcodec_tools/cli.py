@@ -559,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay of the link")
     p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "ttft.json"))
-    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "ttft.png"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_bench_ttft)
 
@@ -574,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=int, default=1, help="tritonservers on the one store; more than 1: behind "
                                                          "an nginx load balancer, clients through it")
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "concurrency.json"))
-    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "concurrency.png"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_bench_concurrency)
 
@@ -594,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--rung", default="int8-zstd")
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reuse_under_load.json"))
-    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "reuse_under_load.png"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_bench_load)
 
@@ -612,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=30.0, help="the first window starts after this")
     p.add_argument("--window-s", type=float, default=60.0, help="growth: last window's median - first window's")
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reliability.json"))
-    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "reliability.png"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_soak)
 
@@ -643,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-threads", type=int, default=2, help="threads for the decode speed pass")
     p.add_argument("--texts", type=int, help="only the first N texts of the eval set")
     p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "rd.json"))
-    p.add_argument("--plot", default=str(REPO_ROOT / "perf" / "results" / "rd.png"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
     p.add_argument("--task-json", help="an eval-task result: gates lossless8 on task accuracy and adds each "
                    "measured rung's accuracy")
     p.set_defaults(func=cmd_rd)
@@ -695,8 +695,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PLOT_HELP = "the plot (default: --json's path with .png; \"\": none)"
+
+
+def plot_beside_json(args) -> None:
+    """``--plot`` left out: the plot goes beside ``--json`` (``x.json`` -> ``x.png``), so a run
+    written elsewhere never replaces the committed plot of another."""
+    if getattr(args, "plot", "") is None:
+        args.plot = str(Path(args.json).with_suffix(".png"))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    plot_beside_json(args)
     from kvcodec.errors import KVCodecError
 
     missing = _engine_missing(args)

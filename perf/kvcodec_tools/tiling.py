@@ -11,6 +11,9 @@ Two parts, then the gate:
 - ``--rd-json`` / ``--task-json``: the quality harness's results on the same two rungs in one run
   each (``kvcodec rd --settings video:13,<tiled>:13`` over the eval set, ``kvcodec eval-task
   --task passkey --codec video,<tiled>``), read and summarised;
+- ``--probe``: on the same chunks, x265's coding tools on the tiled frames (``--tools``, each a
+  ``hevc`` ``x265`` string) against the old frames at one QP: bytes and the squared error of the
+  decoded planes, each relative to the old frames' (what chose the tiled rung's tools);
 - the gate (the issue's): the tiled rung's ratio vs fp16 at least 97% of the old frames', its task
   accuracy at least 97% of theirs, and it passes rd's own quality gate (mean KL, top-1).
 """
@@ -42,7 +45,9 @@ def _chunks(texts: int, chunks: int, chunk_tokens: int = 256):
     return engine.card, out
 
 
-def bench(tiles: Sequence[int], texts: int, chunks: int, repeats: int, base: str = "video", log=print) -> Dict[str, Any]:
+def bench(tiles: Sequence[int], texts: int, chunks: int, repeats: int, base: str = "video", log=print,
+          tools: str = "") -> Dict[str, Any]:
+    """``tools``: the x265 options of the tiled frames (the tiled rung's), none on the old frames."""
     import numpy as np
 
     from kvcodec.bitstream.hevc import Hevc, PyAVDecoder
@@ -51,12 +56,13 @@ def bench(tiles: Sequence[int], texts: int, chunks: int, repeats: int, base: str
 
     card, kvs = _chunks(texts, chunks)
     scheme = parse_rung(base, card)
-    untiled = {k: v for k, v in scheme.codec_params.items() if k != "tile"}
+    untiled = {k: v for k, v in scheme.codec_params.items() if k not in ("tile", "x265")}
     layout = get_layout(scheme.layout, **scheme.layout_params)
     planes = [layout.to_planes(kv, token_start=start)[0] for kv, start in kvs]
     fp16 = sum(kv.size * 2 for kv, _ in kvs)
     shapes = [0] + [int(t) for t in tiles]
-    coders = {t: Hevc(**dict(untiled, **({"tile": t} if t else {}))) for t in shapes}
+    tiled = {"x265": tools} if tools else {}
+    coders = {t: Hevc(**dict(untiled, **({"tile": t, **tiled} if t else {}))) for t in shapes}
     rows: Dict[int, Dict[str, Any]] = {t: {"tile_mpx": t, "encode_s": 0.0, "bytes": 0} for t in shapes}
     streams: Dict[int, List[bytes]] = {t: [] for t in shapes}
     for p in planes:
@@ -91,9 +97,48 @@ def bench(tiles: Sequence[int], texts: int, chunks: int, repeats: int, base: str
     for t in shapes[1:]:
         for key in ("ratio_vs_fp16", "pyav_decode_mb_s_1t", "pyav_decode_mb_s_2t"):
             rows[t][f"{key}_vs_old"] = round(rows[t][key] / rows[0][key], 3)
-    return {"base": base, "model": card.model_id, "chunks": len(planes), "texts": texts,
+    return {"base": base, "tiled_x265": tools, "model": card.model_id, "chunks": len(planes), "texts": texts,
             "planes_shape": list(planes[0].shape), "fp16_bytes": fp16, "repeats": repeats,
             "rows": [rows[t] for t in shapes]}
+
+
+def probe(tools: Sequence[str], texts: int, chunks: int, base: str = "video", tile: int = 4,
+          log=print) -> Dict[str, Any]:
+    """Bytes and planes squared error of the tiled frames with each of ``tools`` (x265 options, ""
+    for none) against the old frames, at ``base``'s QP, on real chunks."""
+    import numpy as np
+
+    from kvcodec.bitstream.hevc import Hevc
+    from kvcodec.format.ladder import parse_rung
+    from kvcodec.layout import get_layout
+
+    card, kvs = _chunks(texts, chunks)
+    scheme = parse_rung(base, card)
+    untiled = {k: v for k, v in scheme.codec_params.items() if k not in ("tile", "x265")}
+    layout = get_layout(scheme.layout, **scheme.layout_params)
+    planes = [layout.to_planes(kv, token_start=start)[0] for kv, start in kvs]
+    arrangements = [("old frames", dict(untiled))] + [
+        (f"tiled {tile} Mpixel" + (f", {t}" if t else ""), dict(untiled, tile=tile, **({"x265": t} if t else {})))
+        for t in tools]
+    rows = []
+    for name, params in arrangements:
+        coder, size, err, seconds = Hevc(**params), 0, 0.0, 0.0
+        for p in planes:
+            t0 = time.perf_counter()
+            data = coder.encode(p)
+            seconds += time.perf_counter() - t0
+            size += len(data)
+            err += float(((coder.decode(data, p.shape).astype(np.float64) - p) ** 2).sum())
+        row = {"arrangement": name, "x265": params.get("x265", ""), "bytes": size,
+               "planes_mse": round(err / sum(p.size for p in planes), 4),
+               "encode_s_per_chunk": round(seconds / len(planes), 2)}
+        if rows:
+            row["bytes_vs_old"] = round(size / rows[0]["bytes"], 4)
+            row["planes_mse_vs_old"] = round(row["planes_mse"] / rows[0]["planes_mse"], 4)
+        rows.append(row)
+        log(json.dumps(row))
+    return {"base": base, "qp": scheme.codec_params.get("qp"), "chunks": len(planes), "texts": texts,
+            "planes_shape": list(planes[0].shape), "rows": rows}
 
 
 def _rd(path: Path, old: str, new: str) -> Dict[str, Any]:
@@ -138,6 +183,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--texts", type=int, default=1)
     ap.add_argument("--chunks", type=int, default=4, help="256-token chunks per text")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--probe", action="store_true", help="x265 tools on the tiled frames: bytes, planes error")
+    ap.add_argument("--tools", default=",rdoq-level=1,rdoq-level=2,tskip=1,rdoq-level=1:tskip=1,rdoq-level=2:tskip=1",
+                    help="comma-separated x265 strings for --probe (an empty one: no tools)")
     ap.add_argument("--rd-json", type=Path, help="kvcodec rd's result on the old and the tiled rung")
     ap.add_argument("--task-json", type=Path, help="kvcodec eval-task's result on the old and the tiled rung")
     ap.add_argument("--old", default="video", help="the old frames' rung as rd and eval-task name it")
@@ -149,10 +197,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     result: Dict[str, Any] = {"schema": "kvcodec-tiling/1", "note": args.note}
     if args.json.is_file():  # a later part keeps the earlier parts of the same run
-        result.update({k: v for k, v in json.loads(args.json.read_text()).items() if k in ("bench", "rd", "task")})
+        result.update({k: v for k, v in json.loads(args.json.read_text()).items() if k in ("bench", "rd", "task", "tools_probe", "planes_probe")})
     if args.bench:
+        from kvcodec.format.codecs import SCHEMES
+
         result["bench"] = bench([int(t) for t in args.tiles.split(",") if t], args.texts, args.chunks, args.repeats,
-                                args.base, log=lambda m: print(m, file=sys.stderr, flush=True))
+                                args.base, log=lambda m: print(m, file=sys.stderr, flush=True),
+                                tools=SCHEMES[args.new].codec_params.get("x265", ""))
+    if args.probe:
+        result["tools_probe"] = probe(args.tools.split(","), args.texts, args.chunks, args.base,
+                                      log=lambda m: print(m, file=sys.stderr, flush=True))
     if args.rd_json:
         result["rd"] = _rd(args.rd_json, f"{args.old}:{args.qp}", f"{args.new}:{args.qp}")
     if args.task_json:

@@ -210,3 +210,15 @@ def test_the_installed_kvcodec_help_exits_zero():
     proc = run_kvcodec("--help", timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "serve" in proc.stdout and "bench" in proc.stdout
+
+
+@pytest.mark.parametrize("command", [["bench", "ttft"], ["bench", "concurrency"], ["bench", "load"], ["soak"], ["rd"]])
+def test_a_plot_left_out_goes_beside_the_json(command, tmp_path):
+    from kvcodec_tools.cli import build_parser, plot_beside_json
+
+    args = build_parser().parse_args(command + ["--json", str(tmp_path / "x.json")])
+    plot_beside_json(args)
+    assert args.plot == str(tmp_path / "x.png")  # not the committed perf/results plot
+    args = build_parser().parse_args(command + ["--json", str(tmp_path / "x.json"), "--plot", ""])
+    plot_beside_json(args)
+    assert args.plot == ""

@@ -84,30 +84,34 @@ class DeviceDecoder(CountingDecoder):
 
 
 class SizeBuggyDeviceDecoder(DeviceDecoder):
-    """Device output right at the self-test's frame size, wrong at any other (a reconfigure bug)."""
+    """Device output right at the self-test's frame sizes, wrong at any other (a reconfigure bug)."""
 
     name = "size-buggy"
+    WIDTHS = {entry["shape"][2] for entry in selftest.load_index()["profiles"].values()}
 
     def decode(self, data, width, height, bit_depth=8):
         out = super().decode(data, width, height, bit_depth)
-        if width != selftest.WIDTH:
+        if width not in self.WIDTHS:
             out[-1][0, 0] ^= 1
         return out
 
 
+@pytest.fixture(autouse=True)
+def decoders_as_they_were(monkeypatch):
+    """Every test leaves ``DECODERS`` as it found it, classes loaded meanwhile too (a fake loaded
+    as "nvdec" would otherwise be ``auto``'s pick in later tests)."""
+    monkeypatch.setattr(DECODERS, "_targets", dict(DECODERS._targets))
+    monkeypatch.setattr(DECODERS, "_loaded", dict(DECODERS._loaded))
+
+
 @pytest.fixture
 def register():
-    """Registers fakes in ``hevc.DECODERS`` (``register(name, cls)``); they are gone afterwards."""
-    added = []
+    """Registers fakes in ``hevc.DECODERS`` (``register(name, cls)``), for this test only."""
 
     def add(name, cls):
         DECODERS.register(name, f"{HERE}:{cls.__name__}")
-        added.append(name)
 
-    yield add
-    for name in added:
-        DECODERS._targets.pop(name, None)
-        DECODERS._loaded.pop(name, None)
+    return add
 
 
 def _chunk(scheme_name: str, seed: int = 1, tokens: int = 64) -> bytes:
@@ -177,6 +181,9 @@ def test_a_damaged_or_missing_reference_is_an_error_not_a_pass(tmp_path):
     (get_scheme("video-q8", quality=20).codec_params, "video-q8"),  # the QP is not part of a profile
     (SCHEMES["video"].codec_params, "video"),
     (get_scheme("video", quality=12).codec_params, "video"),
+    (SCHEMES["video-tiled"].codec_params, "video-tiled"),  # transform skip: a tool the decoder runs
+    (dict(SCHEMES["video"].codec_params, x265="rd=2:rdoq-level=2"), "video"),  # the encoder's search only
+    (SCHEMES["video-fast"].codec_params, None),  # 16x16 blocks, no SAO: no reference stream has them
     ({"lossless": True, "qp": 0, "preset": "ultrafast", "bit_depth": 10}, None),  # no rung writes it
     ({"lossless": False, "qp": 8, "preset": "slow"}, None),
     ({"lossless": False, "bit_depth": "ten"}, None),

@@ -124,3 +124,11 @@ def test_the_preflight_names_the_stub_when_this_python_has_none(tmp_path):
     missing = ensemble_ttft.missing_libs(tmp_path, "")
     assert "triton_python_backend_stub (the file itself)" in missing
     assert "libtriton_python.so (the file itself)" in missing
+
+
+def test_only_the_adaptive_rows_choice_to_recompute_is_no_miss():
+    chose = {"method": "kvcodec", "reused_tokens": 0, "miss_reason": "chunk 0: recompute: recompute: fetching the last 1 chunk(s) would take ~0.28s"}
+    assert ensemble_ttft.adaptive_recompute(chose)
+    assert not ensemble_ttft.adaptive_recompute(dict(chose, method="video"))  # a static rung must reuse: its key was looked up
+    assert not ensemble_ttft.adaptive_recompute(dict(chose, miss_reason="missing: no chunk under the key"))
+    assert not ensemble_ttft.adaptive_recompute(dict(chose, reused_tokens=256, miss_reason=""))

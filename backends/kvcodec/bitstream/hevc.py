@@ -33,6 +33,9 @@ from .decoders import DECODERS, make_decoder  # noqa: F401  (the factory; DECODE
 from .tiling import Tiling
 
 
+LARGE_FRAME = 1 << 19  # pixels (half a Mpixel): a frame PyAV decodes with slice threads
+
+
 class PyAVDecoder:
     """Software HEVC decode with FFmpeg through PyAV."""
 
@@ -48,9 +51,11 @@ class PyAVDecoder:
         av = self._av
         ctx = av.CodecContext.create("hevc", "r")
         ctx.thread_count = self._threads
-        # Frame threads as well as slice (WPP) threads: every frame is an intra picture, so frames
-        # decode side by side (PyAV's default is slice threads only: 1.6x slower at 2 threads).
-        ctx.thread_type = "AUTO"
+        # Small frames: frame threads (every frame is an intra picture, so frames decode side by side;
+        # PyAV's default, slice threads only, is 1.6x slower at 2 threads). Large frames (tiled, one
+        # or a few a chunk): slice threads, x265's wavefront rows in parallel (frame threads leave a
+        # single frame on one thread: 1.84x slower at 2 threads, perf/results/tiling.json).
+        ctx.thread_type = "SLICE" if width * height >= LARGE_FRAME else "AUTO"
         out: List[np.ndarray] = []
         try:
             for packet in ctx.parse(data) + ctx.parse(None):

@@ -1,11 +1,14 @@
 """HEVC stream profiles: what of a chunk's ``hevc`` settings shapes its stream's syntax for a decoder.
 
-A *stream profile* is bit depth, lossless or not, x265 preset and tuning. The rungs write three
-(``PROFILES``, each named after the scheme whose ``codec_params`` it takes, ``format/codecs.py``):
-``lossless8`` (HEVC Main, x265 lossless, ultrafast), ``video-q8`` (HEVC Main, constant QP,
-ultrafast), ``video`` (HEVC Main10, constant QP, medium, no psycho-visual tuning). The QP is not
-part of a profile: it changes values, not the tools a decoder runs; nor is the tiling (``tile``):
-it changes the frame size, which every decoder takes per stream.
+A *stream profile* is bit depth, lossless or not, x265 preset and tuning, and those of a scheme's
+x265 coding tools that the stream signals to its decoder (``SYNTAX_TOOLS``: block and transform
+sizes, SAO, sign hiding, intra smoothing, transform skip; not the encoder's search effort such as
+``rd`` or ``rdoq-level``). The rungs write four (``PROFILES``, each named after the scheme whose
+``codec_params`` it takes, ``format/codecs.py``): ``lossless8`` (HEVC Main, x265 lossless,
+ultrafast), ``video-q8`` (HEVC Main, constant QP, ultrafast), ``video`` (HEVC Main10, constant QP,
+medium, no psycho-visual tuning) and ``video-tiled`` (``video``'s with transform skip, in few large
+frames). The QP is not part of a profile: it changes values, not the tools a decoder runs; nor is
+the tiling (``tile``): it changes the frame size, which every decoder takes per stream.
 
 - ``stream_profile(codec_params)``: the profile of a chunk's settings, or None where no reference
   stream covers them (such chunks keep the host digest check, ``serving.decode``);
@@ -15,13 +18,17 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-PROFILES = ("lossless8", "video-q8", "video")
+PROFILES = ("lossless8", "video-q8", "video", "video-tiled")
+# x265 tools (``hevc.TOOLS``) that set flags or sizes in the stream's parameter sets
+SYNTAX_TOOLS = frozenset({"ctu", "min-cu-size", "max-tu-size", "tu-intra-depth", "sao", "signhide",
+                          "strong-intra-smoothing", "tskip", "amp"})
 
 
-def stream_key(params: Dict[str, Any]) -> Tuple[bool, int, str, str]:
+def stream_key(params: Dict[str, Any]) -> Tuple[bool, int, str, str, str]:
     """What of an ``hevc`` coder's parameters shapes the stream's syntax (``hevc.Hevc`` defaults)."""
+    tools = [t for t in str(params.get("x265", "")).split(":") if t.partition("=")[0] in SYNTAX_TOOLS]
     return (bool(params.get("lossless", True)), int(params.get("bit_depth", 8)), str(params.get("preset", "ultrafast")),
-            str(params.get("tune", "")))
+            str(params.get("tune", "")), ":".join(sorted(tools)))
 
 
 def profile_params(name: str) -> Dict[str, Any]:
