@@ -6,8 +6,9 @@ reference streams made again.
   every profile passed.
 - ``--regenerate [--directory D]`` encodes every profile's reference stream with the project's
   encoder (``hevc.Hevc``, the profile's rung settings, tiled where the rung tiles) and writes it with
-  its digests to ``kvcodec/bitstream/reference/`` (needs PyAV and x265): after a change to a video
-  rung's settings, ``tests/unit/test_decoder_selftest.py`` says when.
+  its digests to ``kvcodec/bitstream/reference/`` (needs PyAV and x265), and the entropy profiles'
+  reference zstd payloads (``entropy_selftest``; needs zstandard): after a change to a video rung's
+  settings, ``tests/unit/test_decoder_selftest.py`` says when.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
-from kvcodec.bitstream import selftest
+from kvcodec.bitstream import entropy_selftest, selftest
 from kvcodec.bitstream.profiles import PROFILES, profile_params
 
 
@@ -52,6 +53,36 @@ def regenerate(directory: Path = selftest.REFERENCE_DIR, log=print) -> Dict[str,
             "planes_digest": selftest._digest(decoded)}
         log(f"{name}: {len(data)} bytes, {decoded.dtype.name}{list(decoded.shape)} from planes {list(planes.shape)}")
     (directory / selftest.INDEX).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    regenerate_entropy(directory, log)
+    return index
+
+
+def regenerate_entropy(directory: Path = selftest.REFERENCE_DIR, log=print) -> Dict[str, Any]:
+    """Encode each entropy profile's reference payload (python-zstandard) and write it with the
+    digest of its CPU decode (``entropy_selftest``)."""
+    import zstandard
+
+    from kvcodec.bitstream.simple import Zstd, ZstdCpuDecoder
+
+    directory = Path(directory)
+    index: Dict[str, Any] = {"format": entropy_selftest.FORMAT, "made_with": {"zstandard": zstandard.__version__},
+                             "profiles": {}}
+    planes = entropy_selftest.reference_planes()
+    for name in entropy_selftest.PROFILES:
+        params = dict(entropy_selftest.PARAMS[name])
+        coder = Zstd(**params)
+        data = coder.encode(planes)
+        decoded = coder.decode_with(ZstdCpuDecoder(), data, planes.shape)
+        if not np.array_equal(decoded, planes):
+            raise RuntimeError(f"{name}: the reference payload does not decode to its planes")
+        file = f"{name}.zst"
+        (directory / file).write_bytes(data)
+        index["profiles"][name] = {
+            "file": file, "codec_params": params, "planes_shape": list(planes.shape), "dtype": "uint8",
+            "frames": len(coder.frames(data)), "bytes": len(data), "payload_sha256": hashlib.sha256(data).hexdigest(),
+            "planes_digest": selftest._digest(decoded)}
+        log(f"{name}: {len(data)} bytes in {len(coder.frames(data))} zstd frame(s), uint8{list(planes.shape)}")
+    (directory / entropy_selftest.INDEX).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return index
 
 

@@ -353,8 +353,9 @@ def check_nvdec_throughput(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
 
 # -- nvcomp ---------------------------------------------------------------------------------------
 def check_nvcomp(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
-    """The stage's entropy chunks through ChunkDecoder(entropy=nvcomp), digest-checked, then nvCOMP's
-    decode alone, GB/s of float16 KV."""
+    """nvCOMP's self-test on the reference payloads (every zstd framing must pass), the stage's
+    entropy chunks through ChunkDecoder(entropy=nvcomp), digest-checked, then nvCOMP's decode alone,
+    GB/s of float16 KV."""
     from kvcodec.bitstream.decoders import open_entropy_decoder
     from kvcodec.bitstream.host import host_array
     from kvcodec.encode import PAYLOAD, make_coder, planes_digest
@@ -371,6 +372,12 @@ def check_nvcomp(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
     ok = not out["carry_problems"]
     auth = carry_mod.auth()
     dec = ChunkDecoder(stage["model_id"], auth=auth, entropy=ctx.entropy)
+    out["selftest"] = dec.selftest_results  # nvCOMP on the reference payloads (None for the CPU's)
+    if not ctx.dry_run:
+        from kvcodec.bitstream.entropy_selftest import PROFILES as FRAMINGS
+
+        out["selftest_passed"] = dec.verified_framings == set(FRAMINGS)
+        ok = ok and out["selftest_passed"]
     raw_decoder = open_entropy_decoder(ctx.entropy)
     try:
         for entry in stage["chunks"]:

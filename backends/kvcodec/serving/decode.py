@@ -30,8 +30,12 @@ copy): the self-test's streams have one frame size, and NVDEC reconfigures per s
 Entropy-coded rungs (``zstd`` payloads: int8-zstd, kvtc-w, ...) decode with the entropy decoder
 named by ``entropy`` (``bitstream.decoders.ENTROPY_DECODERS``: ``cpu``, the default; ``nvcomp`` on a
 GPU, planes as a tensor on it; ``auto``: nvCOMP where it opens), made once; a named decoder that
-cannot be made raises ``Unsupported`` here, at start-up. Its planes are always checked against the
-digest (the GPU's copied to the host for it): nvCOMP has no self-test of its own.
+cannot be made raises ``Unsupported`` here, at start-up. A decoder whose planes stay on the device
+is self-tested then too (``bitstream.entropy_selftest``: one reference payload per zstd framing)
+and trusted as NVDEC is: its planes are hashed on the host only for the first chunk of each
+(framing, planes shape). ``auto`` whose nvCOMP fails a framing falls back to the CPU decoder; a
+named ``nvcomp`` that fails one makes that framing's chunks misses (``Unsupported``, with the
+reason). Host planes (the CPU decoder) are always checked against the digest.
 """
 from __future__ import annotations
 
@@ -42,13 +46,14 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 import numpy as np
 
-from ..bitstream import BitstreamCoder
+from ..bitstream import BitstreamCoder, entropy_selftest
 from ..bitstream.decoders import open_entropy_decoder
+from ..bitstream.entropy_selftest import entropy_profile
 from ..bitstream.host import host_array
 from ..bitstream.profiles import stream_profile
 from ..bitstream.verified import VerifiedDecoders
 from ..encode import PAYLOAD, make_coder, planes_digest
-from ..errors import ChunkError, CorruptChunk, DecodeTimeout, ForeignChunk, KVCodecError
+from ..errors import ChunkError, CorruptChunk, DecodeTimeout, ForeignChunk, KVCodecError, Unsupported
 from ..format import container
 from ..format.auth import ChunkAuth
 from ..format.codecs import SCHEMES
@@ -96,6 +101,16 @@ class ChunkDecoder:
         self._runtime = {"decoder": decoder, "threads": threads}
         self._codecs: Dict[str, BitstreamCoder] = {}
         self._entropy = None if entropy == "cpu" else open_entropy_decoder(entropy, gpu_id=gpu_id)  # first: may raise
+        self._entropy_results: Optional[Dict[str, Any]] = None  # per framing, a device decoder's self-test
+        self._entropy_fallback: Dict[str, Any] = {}  # an ``auto`` nvCOMP that failed it: its results
+        if getattr(self._entropy, "device_output", False):
+            self._entropy_results = entropy_selftest.verify(self._entropy)
+            if entropy == "auto" and not all(r["ok"] for r in self._entropy_results.values()):
+                log.warning("entropy decoder %s failed its self-test, the CPU's is used: %s", self._entropy.name,
+                            self._entropy_results)
+                self._entropy_fallback = {self._entropy.name: self._entropy_results}
+                self._entropy.close()
+                self._entropy, self._entropy_results = None, None
         self._video: Optional[VerifiedDecoders] = None
         if selftest or device_output:
             self._video = VerifiedDecoders(decoder, threads=threads, gpu_id=gpu_id, device_output=device_output,
@@ -104,12 +119,24 @@ class ChunkDecoder:
 
     @property
     def selftest_results(self) -> Optional[Dict[str, Any]]:
-        """Per decoder and stream profile, how its start-up self-test went (None without one)."""
-        return None if self._video is None else self._video.summary()
+        """Per decoder and stream profile (or zstd framing), how its start-up self-test went (None
+        without one)."""
+        out = {} if self._video is None else self._video.summary()
+        tested = dict(self._entropy_fallback)
+        if self._entropy_results is not None:
+            tested[self._entropy.name] = self._entropy_results
+        for name, results in tested.items():
+            out[name] = {p: r["detail"] if r["ok"] else f"{r['status']}: {r['detail']}" for p, r in results.items()}
+        return out if (self._video is not None or tested) else None
 
     @property
     def verified_profiles(self) -> Set[str]:
         return set() if self._video is None else self._video.verified_profiles
+
+    @property
+    def verified_framings(self) -> Set[str]:
+        """The zstd framings the device entropy decoder passed its self-test on (none without one)."""
+        return {f for f, r in (self._entropy_results or {}).items() if r["ok"]}
 
     def _codec_for(self, header: ChunkHeader) -> BitstreamCoder:
         identity = header.scheme_id
@@ -145,7 +172,7 @@ class ChunkDecoder:
         if self._video is not None and coder.name == "hevc":
             planes, trust = self._decode_video(coder, header, chunk.sections[PAYLOAD])
         elif self._entropy is not None and coder.name == "zstd":
-            planes = coder.decode_with(self._entropy, chunk.sections[PAYLOAD], header.planes_shape)
+            planes, trust = self._decode_entropy(coder, header, chunk.sections[PAYLOAD])
         else:
             planes = coder.decode(chunk.sections[PAYLOAD], header.planes_shape)
         if _dtype_name(planes) != header.planes_dtype.name or tuple(planes.shape) != tuple(header.planes_shape):
@@ -172,6 +199,19 @@ class ChunkDecoder:
             return planes, None
         device = verified and bool(getattr(decoder, "device_output", False))
         return planes, (profile, coder.stream_shape(header.planes_shape)) if device else None
+
+    def _decode_entropy(self, coder: Any, header: ChunkHeader, payload: Any) -> Tuple[Any, Optional[tuple]]:
+        """A zstd payload through the entropy decoder: (planes, the (framing, shape) key when they are
+        a self-tested decoder's device output, else None)."""
+        framing = entropy_profile(header.codec_params)
+        result = None if self._entropy_results is None else self._entropy_results.get(framing)
+        if result is not None and not result["ok"]:
+            raise Unsupported(f"entropy decoder {self._entropy.name} failed its self-test for {framing}: "
+                              f"{result['status']}: {result['detail']}"[:300])
+        planes = coder.decode_with(self._entropy, payload, header.planes_shape)
+        if isinstance(planes, np.ndarray) or result is None:
+            return planes, None
+        return planes, ("entropy:" + framing, tuple(int(v) for v in header.planes_shape))
 
     def close(self) -> None:
         for codec in self._codecs.values():
