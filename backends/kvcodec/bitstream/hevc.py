@@ -32,7 +32,6 @@ from . import BitstreamCoder
 from .decoders import DECODERS, make_decoder  # noqa: F401  (the factory; DECODERS here for its importers)
 from .tiling import Tiling
 
-
 LARGE_FRAME = 1 << 19  # pixels (half a Mpixel): a frame PyAV decodes with slice threads
 
 
