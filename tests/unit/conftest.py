@@ -102,3 +102,15 @@ def register_engine(monkeypatch, name: str, cls) -> str:
     monkeypatch.setattr(ENGINES, "_loaded", dict(ENGINES._loaded))
     ENGINES.register(name, f"{module.__name__}:{cls.__name__}")
     return name
+
+
+@pytest.fixture
+def register_entropy(monkeypatch):
+    """``register_entropy(name, cls)``: a stand-in entropy decoder class in ``ENTROPY_DECODERS``
+    under ``name``, for this test only."""
+    from kvcodec.bitstream.decoders import ENTROPY_DECODERS
+
+    def add(name, cls):
+        monkeypatch.setitem(ENTROPY_DECODERS._targets, name, f"{cls.__module__}:{cls.__name__}")
+        monkeypatch.setitem(ENTROPY_DECODERS._loaded, name, cls)
+    return add

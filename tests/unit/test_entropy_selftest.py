@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from kvcodec.bitstream import entropy_selftest
-from kvcodec.bitstream.decoders import ENTROPY_DECODERS
 from kvcodec.bitstream.simple import Zstd, ZstdCpuDecoder
 from kvcodec.encode import ChunkEncoder
 from kvcodec.errors import CorruptChunk, Unsupported
@@ -26,7 +25,6 @@ from .test_gpu_entropy import DeviceZstd, OffByOneZstd
 
 MODEL = "org/tiny@abc123"
 KEY = "aaaa/bbbb/0123456789abcdef"
-HERE = __name__
 
 
 class SizeBuggyZstd(DeviceZstd):
@@ -51,14 +49,6 @@ class FramedOnlyBuggyZstd(DeviceZstd):
         if len(frames) > 1:
             out[-1] ^= 1
         return out
-
-
-@pytest.fixture
-def register(monkeypatch):
-    def add(name, cls):
-        monkeypatch.setitem(ENTROPY_DECODERS._targets, name, f"{HERE}:{cls.__name__}")
-        monkeypatch.setitem(ENTROPY_DECODERS._loaded, name, cls)
-    return add
 
 
 @pytest.fixture
@@ -122,8 +112,8 @@ def test_the_cpu_decoder_passes_and_a_damaged_or_missing_reference_is_an_error(t
 
 # -- ChunkDecoder: trusted after the self-test, as NVDEC is ------------------------------------------
 @pytest.mark.parametrize("rung", ["int8-zstd", "kvtc-w"])
-def test_a_self_tested_device_decoder_is_hashed_on_the_host_once_per_shape(rung, register, digests, tiny_profile):
-    register("device-zstd", DeviceZstd)
+def test_a_self_tested_device_decoder_is_hashed_on_the_host_once_per_shape(rung, register_entropy, digests, tiny_profile):
+    register_entropy("device-zstd", DeviceZstd)
     dec = ChunkDecoder(MODEL, auth=AUTH, entropy="device-zstd")
     assert set(dec.selftest_results["device-zstd"]) == dec.verified_framings == set(entropy_selftest.PROFILES)
     before = digests.calls
@@ -139,8 +129,8 @@ def test_a_self_tested_device_decoder_is_hashed_on_the_host_once_per_shape(rung,
     dec.close()
 
 
-def test_a_device_decoder_wrong_at_another_size_is_caught_by_that_sizes_first_chunk(register, tiny_profile):
-    register("size-buggy", SizeBuggyZstd)
+def test_a_device_decoder_wrong_at_another_size_is_caught_by_that_sizes_first_chunk(register_entropy, tiny_profile):
+    register_entropy("size-buggy", SizeBuggyZstd)
     dec = ChunkDecoder(MODEL, auth=AUTH, entropy="size-buggy")
     assert all(not v.startswith(("mismatch", "error")) for v in dec.selftest_results[SizeBuggyZstd.name].values())
     for seed in (1, 2):  # never trusted at this shape: every chunk checked, every one refused
@@ -149,8 +139,8 @@ def test_a_device_decoder_wrong_at_another_size_is_caught_by_that_sizes_first_ch
     dec.close()
 
 
-def test_a_named_decoder_that_fails_one_framing_still_decodes_the_other(register, tiny_profile):
-    register("framed-buggy", FramedOnlyBuggyZstd)
+def test_a_named_decoder_that_fails_one_framing_still_decodes_the_other(register_entropy, tiny_profile):
+    register_entropy("framed-buggy", FramedOnlyBuggyZstd)
     dec = ChunkDecoder(MODEL, auth=AUTH, entropy="framed-buggy")
     assert dec.selftest_results[FramedOnlyBuggyZstd.name]["zstd-framed"].startswith("mismatch")
     assert dec.verified_framings == {"zstd"}
@@ -163,8 +153,8 @@ def test_a_named_decoder_that_fails_one_framing_still_decodes_the_other(register
     dec.close()
 
 
-def test_auto_whose_nvcomp_fails_the_self_test_decodes_on_the_cpu(register, monkeypatch, tiny_profile):
-    register("nvcomp", OffByOneZstd)  # nvCOMP, as it were, not bit-exact
+def test_auto_whose_nvcomp_fails_the_self_test_decodes_on_the_cpu(register_entropy, monkeypatch, tiny_profile):
+    register_entropy("nvcomp", OffByOneZstd)  # nvCOMP, as it were, not bit-exact
     dec = ChunkDecoder(MODEL, auth=AUTH, entropy="auto")
     assert dec.selftest_results[OffByOneZstd.name]["zstd"].startswith("mismatch")
     got = dec.decode(_chunk("int8-zstd"), key=KEY)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zstandard
 
-from kvcodec.bitstream.decoders import ENTROPY_DECODERS, open_entropy_decoder
+from kvcodec.bitstream.decoders import open_entropy_decoder
 from kvcodec.bitstream.nvcomp import NvcompZstdDecoder, out_pieces, staged
 from kvcodec.bitstream.simple import Zstd, ZstdCpuDecoder
 from kvcodec.encode import ChunkEncoder
@@ -25,7 +25,6 @@ from .conftest import AUTH, on_tiny_profile, synthetic_kv
 
 MODEL = "org/tiny@abc123"
 KEY = "aaaa/bbbb/0123456789abcdef"
-HERE = __name__
 
 
 def _planes(seed: int = 0) -> np.ndarray:
@@ -111,22 +110,14 @@ class OffByOneZstd(DeviceZstd):
         return out
 
 
-@pytest.fixture
-def register(monkeypatch):
-    def add(name, cls):
-        monkeypatch.setitem(ENTROPY_DECODERS._targets, name, f"{HERE}:{cls.__name__}")
-        monkeypatch.setitem(ENTROPY_DECODERS._loaded, name, cls)
-    return add
-
-
 def _chunk(spec: str, seed: int = 1) -> bytes:
     scheme = on_tiny_profile(get_scheme(*spec.split(":")) if ":" in spec else SCHEMES[spec])
     return ChunkEncoder(scheme, MODEL, auth=AUTH).encode(synthetic_kv(seed, tokens=64), KEY, 0, 0)
 
 
 @pytest.mark.parametrize("rung", ["int8-zstd", "kvtc-w", "transform-zstd"])
-def test_zstd_rungs_decode_on_the_registered_device_decoder_bit_exact_with_the_cpu(rung, register, tiny_profile):
-    register("device-zstd", DeviceZstd)
+def test_zstd_rungs_decode_on_the_registered_device_decoder_bit_exact_with_the_cpu(rung, register_entropy, tiny_profile):
+    register_entropy("device-zstd", DeviceZstd)
     chunk = _chunk(rung)
     cpu = ChunkDecoder(MODEL, auth=AUTH).decode(chunk, key=KEY)
     dec = ChunkDecoder(MODEL, auth=AUTH, entropy="device-zstd", gpu_id=5)
@@ -139,8 +130,8 @@ def test_zstd_rungs_decode_on_the_registered_device_decoder_bit_exact_with_the_c
     dec.close()
 
 
-def test_a_device_decoder_that_is_not_bit_exact_fails_its_self_test_and_its_chunks_are_misses(register):
-    register("off-by-one", OffByOneZstd)
+def test_a_device_decoder_that_is_not_bit_exact_fails_its_self_test_and_its_chunks_are_misses(register_entropy):
+    register_entropy("off-by-one", OffByOneZstd)
     dec = ChunkDecoder(MODEL, auth=AUTH, entropy="off-by-one")
     assert dec.selftest_results["off-by-one"]["zstd"].startswith("mismatch: planes digest differs")
     with pytest.raises(Unsupported, match="failed its self-test for zstd: mismatch"):

@@ -24,16 +24,14 @@ one that failed is not used for it (``auto`` falls back to the CPU decoder).
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import time
 from pathlib import Path
 from typing import Any, Dict
 
 import numpy as np
 
 from .host import host_array
-from .selftest import REFERENCE_DIR, Result
+from .selftest import REFERENCE_DIR, Mismatch, Result, checked, reference_bytes, verify_all
 
 INDEX = "entropy.json"
 FORMAT = "kvcodec-entropy-selftest/1"
@@ -75,27 +73,17 @@ def verify_one(decoder: Any, entry: Dict[str, Any], directory: Path = REFERENCE_
     from ..encode import planes_digest
     from .simple import Zstd
 
-    t0 = time.perf_counter()
-    try:
-        data = (Path(directory) / entry["file"]).read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["payload_sha256"]:
-            return {"ok": False, "status": "error", "detail": f"reference payload {entry['file']} is damaged"}
+    def check() -> str:
+        data = reference_bytes(entry, directory, "payload_sha256", "payload")
         shape = tuple(int(v) for v in entry["planes_shape"])
         planes = host_array(Zstd(**entry["codec_params"]).decode_with(decoder, data, shape))
         if planes_digest(planes) != entry["planes_digest"]:
-            return {"ok": False, "status": "mismatch",
-                    "detail": f"planes digest differs from the reference's (mean {float(planes.mean()):.3f})"}
-    except Exception as exc:  # every failure is the result, never a crash of the caller's start-up
-        return {"ok": False, "status": "error", "detail": f"{type(exc).__name__}: {str(exc).strip()[:200]}"}
-    return {"ok": True, "status": "ok",
-            "detail": f"uint8{list(shape)} in {(time.perf_counter() - t0) * 1000:.1f} ms"}
+            raise Mismatch(f"planes digest differs from the reference's (mean {float(planes.mean()):.3f})")
+        return f"uint8{list(shape)}"
+
+    return checked(check)
 
 
 def verify(decoder: Any, directory: Path = REFERENCE_DIR) -> Dict[str, Result]:
     """Each entropy profile's reference payload decoded by ``decoder`` against its digest."""
-    try:
-        entries = load_index(directory)["profiles"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        detail = f"reference payloads unreadable in {directory}: {type(exc).__name__}: {exc}"[:300]
-        return {name: {"ok": False, "status": "error", "detail": detail} for name in PROFILES}
-    return {name: verify_one(decoder, entries.get(name) or {}, directory) for name in PROFILES}
+    return verify_all(decoder, directory, INDEX, PROFILES, verify_one, "payloads")

@@ -26,7 +26,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Sequence
 
 import numpy as np
 
@@ -79,22 +79,63 @@ def _digest(planes: np.ndarray) -> str:
     return planes_digest(planes)
 
 
-def verify_one(decoder: Any, entry: Dict[str, Any], directory: Path = REFERENCE_DIR) -> Result:
+class Mismatch(Exception):
+    """A reference decoded, but not to the reference's frames (status ``mismatch``)."""
+
+
+class Damaged(Exception):
+    """A reference file that is not what its index says (status ``error``)."""
+
+
+def checked(check: Callable[[], str]) -> Result:
+    """One reference check, timed: ``check()`` returns what it decoded (``uint16[6, 152, 184]``) or
+    raises ``Mismatch``; anything else it raises is an ``error`` result, never a crash of the
+    caller's start-up. Shared with ``entropy_selftest``."""
     t0 = time.perf_counter()
     try:
-        data = (Path(directory) / entry["file"]).read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["stream_sha256"]:
-            return {"ok": False, "status": "error", "detail": f"reference stream {entry['file']} is damaged"}
+        got = check()
+    except Mismatch as exc:
+        return {"ok": False, "status": "mismatch", "detail": str(exc)}
+    except Damaged as exc:
+        return {"ok": False, "status": "error", "detail": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - every failure is the result
+        return {"ok": False, "status": "error", "detail": f"{type(exc).__name__}: {str(exc).strip()[:200]}"}
+    return {"ok": True, "status": "ok", "detail": f"{got} in {(time.perf_counter() - t0) * 1000:.1f} ms"}
+
+
+def reference_bytes(entry: Dict[str, Any], directory: Path, sha_key: str, what: str) -> bytes:
+    """The reference file of ``entry``; ``Damaged`` if its SHA-256 is not ``entry[sha_key]``."""
+    data = (Path(directory) / entry["file"]).read_bytes()
+    if hashlib.sha256(data).hexdigest() != entry[sha_key]:
+        raise Damaged(f"reference {what} {entry['file']} is damaged")
+    return data
+
+
+def verify_all(decoder: Any, directory: Path, index: str, profiles: Sequence[str],
+               one: Callable[[Any, Dict[str, Any], Path], Result], what: str) -> Dict[str, Result]:
+    """``one(decoder, entry, directory)`` for each of ``profiles`` in the index file ``index``; an
+    unreadable index is an ``error`` for every profile."""
+    try:
+        entries = json.loads((Path(directory) / index).read_text())["profiles"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        detail = f"reference {what} unreadable in {directory}: {type(exc).__name__}: {exc}"[:300]
+        return {name: {"ok": False, "status": "error", "detail": detail} for name in profiles}
+    return {name: one(decoder, entries.get(name) or {}, directory) for name in profiles}
+
+
+def verify_one(decoder: Any, entry: Dict[str, Any], directory: Path = REFERENCE_DIR) -> Result:
+    def check() -> str:
+        data = reference_bytes(entry, directory, "stream_sha256", "stream")
         frames, height, width = entry["shape"]
         planes = to_host(decoder.decode(data, width, height, int(entry["bit_depth"])))
         got = f"{planes.dtype.name}{list(planes.shape)}"
         if got != f"{entry['dtype']}{list(entry['shape'])}":
-            return {"ok": False, "status": "mismatch", "detail": f"decoded {got}, expected {entry['dtype']}{entry['shape']}"}
+            raise Mismatch(f"decoded {got}, expected {entry['dtype']}{entry['shape']}")
         if _digest(planes) != entry["planes_digest"]:
-            return {"ok": False, "status": "mismatch", "detail": _differing(planes, entry)}
-    except Exception as exc:  # every failure is the result, never a crash of the caller's start-up
-        return {"ok": False, "status": "error", "detail": f"{type(exc).__name__}: {str(exc).strip()[:200]}"}
-    return {"ok": True, "status": "ok", "detail": f"{got} in {(time.perf_counter() - t0) * 1000:.1f} ms"}
+            raise Mismatch(_differing(planes, entry))
+        return got
+
+    return checked(check)
 
 
 def _differing(planes: np.ndarray, entry: Dict[str, Any]) -> str:
@@ -111,9 +152,4 @@ def _differing(planes: np.ndarray, entry: Dict[str, Any]) -> str:
 
 def verify(decoder: Any, directory: Path = REFERENCE_DIR) -> Dict[str, Result]:
     """Each profile's reference stream decoded by ``decoder`` against its digest."""
-    try:
-        entries = load_index(directory)["profiles"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        detail = f"reference streams unreadable in {directory}: {type(exc).__name__}: {exc}"[:300]
-        return {name: {"ok": False, "status": "error", "detail": detail} for name in PROFILES}
-    return {name: verify_one(decoder, entries.get(name) or {}, directory) for name in PROFILES}
+    return verify_all(decoder, directory, INDEX, PROFILES, verify_one, "streams")
