@@ -596,6 +596,22 @@ def test_kv_decode_on_a_cpu_instance_self_tests_pyav_and_keeps_host_planes(kv_de
     model.finalize()
 
 
+def test_kv_decode_logs_a_warning_when_nvcomp_fails_its_self_test(kv_decode, register_entropy):
+    from .test_gpu_entropy import OffByOneZstd
+
+    register_entropy("nvcomp", OffByOneZstd)  # nvCOMP, as it were, one byte wrong
+    model = kv_decode.model.TritonPythonModel()
+    config = json.loads(kv_decode.config)
+    config["parameters"]["entropy"] = {"string_value": "nvcomp"}
+    model.initialize({"model_instance_kind": "GPU", "model_instance_device_id": "0", "model_config": json.dumps(config)})
+    [(level, message)] = kv_decode.logged
+    assert level == "warn"
+    results = json.loads(message.split("self-test: ", 1)[1])
+    assert set(results["nvdec"]) == set(selftest.PROFILES)  # NVDEC passed; the entropy decoder did not
+    assert results[OffByOneZstd.name]["zstd"].startswith("mismatch")
+    model.finalize()
+
+
 # -- the tool: self-test from the command line, reference streams made again ---------------------------
 def test_the_tool_regenerates_the_committed_reference_streams_byte_for_byte(tmp_path, capsys):
     from kvcodec_tools import decoder_selftest

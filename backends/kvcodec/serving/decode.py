@@ -50,7 +50,7 @@ from ..bitstream import BitstreamCoder, entropy_selftest
 from ..bitstream.decoders import open_entropy_decoder
 from ..bitstream.entropy_selftest import entropy_profile
 from ..bitstream.host import host_array
-from ..bitstream.profiles import stream_profile
+from ..bitstream.profiles import PROFILES, stream_profile
 from ..bitstream.verified import VerifiedDecoders
 from ..encode import PAYLOAD, make_coder, planes_digest
 from ..errors import ChunkError, CorruptChunk, DecodeTimeout, ForeignChunk, KVCodecError, Unsupported
@@ -132,6 +132,15 @@ class ChunkDecoder:
     @property
     def verified_profiles(self) -> Set[str]:
         return set() if self._video is None else self._video.verified_profiles
+
+    @property
+    def selftest_passed(self) -> bool:
+        """Every self-test run here passed: the HEVC decoder on every stream profile, a device
+        entropy decoder on every zstd framing (and ``auto`` did not fall back from it)."""
+        video = self._video is None or self._video.verified_profiles == set(PROFILES)
+        entropy = not self._entropy_fallback and (
+            self._entropy_results is None or self.verified_framings == set(entropy_selftest.PROFILES))
+        return video and entropy
 
     @property
     def verified_framings(self) -> Set[str]:
