@@ -75,13 +75,13 @@ def regenerate_entropy(directory: Path = selftest.REFERENCE_DIR, log=print) -> D
         decoded = coder.decode_with(ZstdCpuDecoder(), data, planes.shape)
         if not np.array_equal(decoded, planes):
             raise RuntimeError(f"{name}: the reference payload does not decode to its planes")
-        file = f"{name}.zst"
+        file, frames = f"{name}.zst", len(coder.frames(data))
         (directory / file).write_bytes(data)
         index["profiles"][name] = {
             "file": file, "codec_params": params, "planes_shape": list(planes.shape), "dtype": "uint8",
-            "frames": len(coder.frames(data)), "bytes": len(data), "payload_sha256": hashlib.sha256(data).hexdigest(),
+            "frames": frames, "bytes": len(data), "payload_sha256": hashlib.sha256(data).hexdigest(),
             "planes_digest": selftest._digest(decoded)}
-        log(f"{name}: {len(data)} bytes in {len(coder.frames(data))} zstd frame(s), uint8{list(planes.shape)}")
+        log(f"{name}: {len(data)} bytes in {frames} zstd frame(s), uint8{list(planes.shape)}")
     (directory / entropy_selftest.INDEX).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return index
 

@@ -59,9 +59,8 @@ def free_port_run(n: int, host: str = "127.0.0.1", offsets: Sequence[int] = (0,)
     server binds it, which is how a weed admin port was once taken under CI."""
     a_lo, a_hi = ephemeral_range() if avoid is None else avoid
     span = n - 1 + max(offsets)
-    bases = [b for b in range(lo, hi - span)
-             if not any(a_lo <= b + i + o <= a_hi for i in (0, n - 1) for o in offsets)
-             and not any(b + o < a_lo <= b + o + n - 1 for o in offsets)]
+    # the run at offset o, [b + o, b + o + n - 1], must not overlap [a_lo, a_hi]
+    bases = [b for b in range(lo, hi - span) if not any(b + o <= a_hi and b + o + n - 1 >= a_lo for o in offsets)]
     if not bases:
         raise ServiceError(f"no run of {n} ports in [{lo}, {hi}) outside the ephemeral range {a_lo}-{a_hi}")
     start = (os.getpid() * 7919 + time.monotonic_ns()) % len(bases)

@@ -45,12 +45,9 @@ def _chunks(texts: int, chunks: int, chunk_tokens: int = 256):
     return engine.card, out
 
 
-def bench(tiles: Sequence[int], texts: int, chunks: int, repeats: int, base: str = "video", log=print,
-          tools: str = "") -> Dict[str, Any]:
-    """``tools``: the x265 options of the tiled frames (the tiled rung's), none on the old frames."""
-    import numpy as np
-
-    from kvcodec.bitstream.hevc import Hevc, PyAVDecoder
+def _planes(texts: int, chunks: int, base: str):
+    """(card, chunks, ``base``'s scheme, its hevc parameters without tiling or x265 tools, each
+    chunk's planes in ``base``'s layout)."""
     from kvcodec.format.ladder import parse_rung
     from kvcodec.layout import get_layout
 
@@ -58,7 +55,17 @@ def bench(tiles: Sequence[int], texts: int, chunks: int, repeats: int, base: str
     scheme = parse_rung(base, card)
     untiled = {k: v for k, v in scheme.codec_params.items() if k not in ("tile", "x265")}
     layout = get_layout(scheme.layout, **scheme.layout_params)
-    planes = [layout.to_planes(kv, token_start=start)[0] for kv, start in kvs]
+    return card, kvs, scheme, untiled, [layout.to_planes(kv, token_start=start)[0] for kv, start in kvs]
+
+
+def bench(tiles: Sequence[int], texts: int, chunks: int, repeats: int, base: str = "video", log=print,
+          tools: str = "") -> Dict[str, Any]:
+    """``tools``: the x265 options of the tiled frames (the tiled rung's), none on the old frames."""
+    import numpy as np
+
+    from kvcodec.bitstream.hevc import Hevc, PyAVDecoder
+
+    card, kvs, _, untiled, planes = _planes(texts, chunks, base)
     fp16 = sum(kv.size * 2 for kv, _ in kvs)
     shapes = [0] + [int(t) for t in tiles]
     tiled = {"x265": tools} if tools else {}
@@ -109,14 +116,8 @@ def probe(tools: Sequence[str], texts: int, chunks: int, base: str = "video", ti
     import numpy as np
 
     from kvcodec.bitstream.hevc import Hevc
-    from kvcodec.format.ladder import parse_rung
-    from kvcodec.layout import get_layout
 
-    card, kvs = _chunks(texts, chunks)
-    scheme = parse_rung(base, card)
-    untiled = {k: v for k, v in scheme.codec_params.items() if k not in ("tile", "x265")}
-    layout = get_layout(scheme.layout, **scheme.layout_params)
-    planes = [layout.to_planes(kv, token_start=start)[0] for kv, start in kvs]
+    _, _, scheme, untiled, planes = _planes(texts, chunks, base)
     arrangements = [("old frames", dict(untiled))] + [
         (f"tiled {tile} Mpixel" + (f", {t}" if t else ""), dict(untiled, tile=tile, **({"x265": t} if t else {})))
         for t in tools]

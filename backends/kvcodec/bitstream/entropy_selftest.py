@@ -24,12 +24,12 @@ one that failed is not used for it (``auto`` falls back to the CPU decoder).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict
 
 import numpy as np
 
+from . import selftest
 from .host import host_array
 from .selftest import REFERENCE_DIR, Mismatch, Result, checked, reference_bytes, verify_all
 
@@ -66,7 +66,7 @@ def entropy_profile(codec_params: Dict[str, Any]) -> str:
 
 
 def load_index(directory: Path = REFERENCE_DIR) -> Dict[str, Any]:
-    return json.loads((Path(directory) / INDEX).read_text())
+    return selftest.load_index(directory, INDEX)
 
 
 def verify_one(decoder: Any, entry: Dict[str, Any], directory: Path = REFERENCE_DIR) -> Result:

@@ -69,8 +69,8 @@ def reference_frames(entry: Dict[str, Any]) -> np.ndarray:
     return planes if tiling is None else tiling.tile(planes, fill=1 << (bit_depth - 1))
 
 
-def load_index(directory: Path = REFERENCE_DIR) -> Dict[str, Any]:
-    return json.loads((Path(directory) / INDEX).read_text())
+def load_index(directory: Path = REFERENCE_DIR, index: str = INDEX) -> Dict[str, Any]:
+    return json.loads((Path(directory) / index).read_text())
 
 
 def _digest(planes: np.ndarray) -> str:
@@ -116,7 +116,7 @@ def verify_all(decoder: Any, directory: Path, index: str, profiles: Sequence[str
     """``one(decoder, entry, directory)`` for each of ``profiles`` in the index file ``index``; an
     unreadable index is an ``error`` for every profile."""
     try:
-        entries = json.loads((Path(directory) / index).read_text())["profiles"]
+        entries = load_index(directory, index)["profiles"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         detail = f"reference {what} unreadable in {directory}: {type(exc).__name__}: {exc}"[:300]
         return {name: {"ok": False, "status": "error", "detail": detail} for name in profiles}
