@@ -23,6 +23,7 @@ name the field and the value.
 | key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
 | fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: the outer bound on a request's store calls; the fetcher gives up sooner, when recomputing is predicted faster (``kvcodec.serving.fetch``) |
 | writeback     | KVCODEC_WRITEBACK      | ``first``: after a miss, store the new full chunks at the ladder's first rung (3) |
+| writeback_pending | KVCODEC_WRITEBACK_PENDING | 8: write-back jobs (chunks) that may wait; past it new ones are dropped, counted (``kvcodec.connector.WriteBackSink``) |
 | ingest_workers | KVCODEC_INGEST_WORKERS | 0: ``min(2, cores)`` chunk encoders side by side at ingest (``kvcodec.ingest``) |
 | decoder_process | KVCODEC_DECODER_PROCESS | 1: kv_decode runs PyAV in a process of its own (a crash is a miss; ``kvcodec.bitstream.isolated``) |
 | decode_timeout_s | KVCODEC_DECODE_TIMEOUT_S | 30: that process's deadline per chunk (killed after it: a miss) |
@@ -35,7 +36,7 @@ name the field and the value.
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
 name, is still read from the environment.
 (3) ``off``, ``first`` or a ladder spec (e.g. ``raw,transform-zstd``); done off the request's path by
-engines that save (``vllm``: ``kvcodec.connector.WriteBack``).
+engines that save (``vllm``, ``trtllm``: ``kvcodec.connector.WriteBackSink``).
 (2) made on first use, mode 0600; ``KVCODEC_CHUNK_KEY`` (the key, hex) takes its place
 (``kvcodec.format.auth``).
 (5) scheduling levers of a batching engine: smaller steps and sliced prefills let a reuse request's
@@ -90,6 +91,7 @@ class Settings:
     step_tokens: int = 0  # the engine's token budget per step (0: the engine's default)
     prefill_slice: int = 0  # at most this many tokens of one long prefill per step (0: the engine's default)
     entropy: str = "auto"  # the zstd rungs' decoder in kv_decode (ENTROPY_CHOICES)
+    writeback_pending: int = 8  # write-back chunks that may wait before new ones are dropped
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -147,6 +149,7 @@ class Settings:
         async_loads = _bool("async_loads", raw("async_loads") or "1")
         step_tokens = _int("step_tokens", raw("step_tokens") or "0", minimum=0)
         prefill_slice = _int("prefill_slice", raw("prefill_slice") or "0", minimum=0)
+        writeback_pending = _int("writeback_pending", raw("writeback_pending") or "8", minimum=1)
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -156,7 +159,7 @@ class Settings:
                    adaptive, link_mbps, deadline_s, engine, key_file, fetch_timeout_s, writeback,
                    ingest_workers, decoder_process, decode_timeout_s, model=model, store_ca_file=store_ca_file,
                    stream_loads=stream_loads, async_loads=async_loads, step_tokens=step_tokens,
-                   prefill_slice=prefill_slice, entropy=entropy)
+                   prefill_slice=prefill_slice, entropy=entropy, writeback_pending=writeback_pending)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -185,6 +188,7 @@ class Settings:
             "KVCODEC_STEP_TOKENS": str(self.step_tokens),
             "KVCODEC_PREFILL_SLICE": str(self.prefill_slice),
             "KVCODEC_ENTROPY": self.entropy,
+            "KVCODEC_WRITEBACK_PENDING": str(self.writeback_pending),
         }
 
 

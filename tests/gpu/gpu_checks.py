@@ -68,8 +68,8 @@ SCHEMA = "kvcodec-gpu-checks/1"
 # run of the five checks before nvcomp took 58 s; the dry run on a loaded 2-core CPU, 123 s):
 # nvdec_throughput and engine trimmed from 100 and 120 s to leave the run call room for
 # tests/gpu/ensemble_ttft.py
-BUDGETS: Dict[str, int] = {"env": 30, "nvdec_digest": 45, "nvdec_throughput": 80, "nvcomp": 45, "restore_gpu": 45,
-                           "engine": 80}
+BUDGETS: Dict[str, int] = {"env": 30, "nvdec_digest": 45, "nvdec_throughput": 70, "nvcomp": 45, "restore_gpu": 45,
+                           "engine": 70, "connector_sync": 20}
 CONCURRENCY = (1, 2, 4, 7)  # NVDEC sessions; the H200 has 7 NVDEC engines
 THROUGHPUT_S = {False: 1.5, True: 0.4}  # seconds measured per (rung, mode, threads); by dry_run
 NVCOMP_S = {False: 1.0, True: 0.3}  # seconds of nvCOMP decode measured per chunk
@@ -575,9 +575,19 @@ def check_engine(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
     return ok, out
 
 
+def check_connector_sync(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
+    """The connector's load (``WorkerCore.load_now`` from KV staged on the device) and save
+    (``WorkerCore.save``: gather, copy to pinned host memory) on a side stream, with torch's sync
+    debug mode set to "error": any host-device synchronize on the way raises. Then the data is checked."""
+    from . import connector_sync
+
+    return connector_sync.check(ctx.device)
+
+
 CHECKS: Dict[str, Callable[[Ctx], Tuple[bool, Dict[str, Any]]]] = {
     "env": check_env, "nvdec_digest": check_nvdec_digest, "nvdec_throughput": check_nvdec_throughput,
     "nvcomp": check_nvcomp, "restore_gpu": check_restore_gpu, "engine": check_engine,
+    "connector_sync": check_connector_sync,
 }  # in the order of BUDGETS
 
 

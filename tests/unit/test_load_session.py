@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.connector import ChunkSaver, KVPages, LoadSession, SaveTracker, WriteBack
+from kvcodec.connector import ChunkSaver, HostCopy, KVPages, LoadSession, SaveTracker, WriteBackSink
 from kvcodec.format.auth import ChunkAuth
 from kvcodec.format.codecs import get_scheme
 from kvcodec.serving.decode import ChunkDecoder
@@ -134,16 +134,18 @@ def test_chunk_saver_stores_each_rung_once_and_replaces_a_corrupt_copy(tmp_path)
     chunk = kv(C, 3)
     keys = saver.keys(ids, 1)
     assert len(keys) == 2 and keys[0] != keys[1]
-    queue = WriteBack(saver.save_job)
-    assert queue.offer((keys, 1, C, chunk))
-    assert queue.flush(30) and queue.stats()["stored"] == 1
+    sink = WriteBackSink(saver)  # what every engine's worker hands its saved chunks to
+    assert sink.for_prompt(ids)([(1, C, HostCopy(torch.from_numpy(chunk)))]) == 1
+    assert sink.flush(30) and sink.stats()["stored"] == 1
     restored = restore(ChunkDecoder("m", auth=auth).decode(store.get(keys[0]), key=keys[0]))
-    np.testing.assert_array_equal(restored, chunk)  # raw: exact
+    np.testing.assert_array_equal(restored, chunk)  # raw: exact, keys computed by the sink from the ids
     assert saver.save(keys, 1, C, chunk) == 0  # present: not written again
     store.put(keys[1], b"garbage")
-    assert saver.save(keys, 1, C, chunk, replace=frozenset({keys[1]})) == 1
-    assert store.get(keys[1]) != b"garbage"
-    queue.close(5)
+    sink.corrupt.add(keys[1])  # a reader found it corrupt: the next save replaces it
+    assert sink.for_prompt(ids)([(1, C, chunk)]) == 1 and sink.flush(30)
+    assert store.get(keys[1]) != b"garbage" and keys[1] not in sink.corrupt
+    assert store.get(keys[0]) is not None
+    sink.close(5)
 
 
 def test_torch_chunks_stay_torch_from_the_step_into_the_blocks():

@@ -2,8 +2,10 @@
 
 ``Replay`` calls the connector as TensorRT-LLM 1.2's executor does (``KVCacheManager.prepare_resources``,
 ``KvCacheConnectorManager``, ``PyExecutor``): per new request ``get_num_new_matched_tokens`` then
-``update_state_after_alloc``; a request answered ``(n, True)`` is parked (left out of the scheduler
-output) and named in ``started_loading_req_ids`` until ``get_finished`` reports it loaded; per step
+``update_state_after_alloc``; the connector answers synchronous loads only, ``(n, False)``, so the
+request is scheduled in the same step with ``computed_position`` already counting the connector's
+``n`` tokens (``setPrepopulatedPromptLen(prepopulated + numConnectorMatchedTokens)`` in
+``kvCacheManager.cpp``); per step
 ``build_connector_meta`` (pickled, as the broadcast does), ``bind_connector_meta``, ``start_load_kv``,
 per layer ``wait_for_layer_load`` / the layer's forward / ``save_kv_layer``, ``wait_for_save``,
 ``get_finished``; at the end ``request_finished``. The fake requests and scheduler outputs have the
@@ -31,12 +33,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.connector import KVPages
+from kvcodec.connector import KVPages, LoadFailed
 from kvcodec.encode import ChunkEncoder
 from kvcodec.engines import ModelCard, trtllm_compat
 from kvcodec.engines import trtllm_connector as tc
 from kvcodec.engines.trtllm_config import CONFIG_ENV, TrtllmConfig, load_config
-from kvcodec.engines.trtllm_stage import Loads, Stage
+from kvcodec.engines.trtllm_shared import Shared, to_pool
 from kvcodec.errors import ConfigError, Unsupported
 from kvcodec.format.keys import chunk_keys
 from kvcodec.format.ladder import parse_ladder
@@ -94,6 +96,7 @@ class FakeLlmRequest:  # bindings.internal.batch_manager.LlmRequest
     tokens: List[int]
     cache_salt: Optional[str] = None
     is_dummy: bool = False
+    cache_salt_id: Optional[int] = None  # what 1.2's binding has (nanobind ``def_prop_ro("cache_salt_id")``)
 
     @property
     def prompt_len(self) -> int:
@@ -146,57 +149,59 @@ def raw_read(pool: torch.Tensor, blocks, start: int, n: int) -> np.ndarray:
 
 class Replay:
     """TensorRT-LLM 1.2's calls into a connector, for one engine with ``num_blocks`` blocks; its own
-    stage, loads and hand-off (one process: rank 0)."""
+    shared state (stage, pool, loads: one process, rank 0)."""
 
     def __init__(self, cfg: TrtllmConfig, store, tokens_per_block: int, num_blocks: int = 160,
                  context_chunk: Optional[int] = None) -> None:
-        from kvcodec.connector import HandOff
-
         args = llm_args(tokens_per_block)
-        self.stage, loads, handoff = Stage(), Loads(), HandOff()
-        self.scheduler = tc.KVCodecScheduler(args, cfg, store=store, stage=self.stage, loads=loads,
-                                             pages_of=lambda: handoff.pages)
-        self.worker = tc.KVCodecWorker(args, cfg, store=store, loads=loads, handoff=handoff)
+        self.shared = Shared()
+        self.stage = self.shared.stage
+        self.scheduler = tc.KVCodecScheduler(args, cfg, store=store, shared=self.shared)
+        self.worker = tc.KVCodecWorker(args, cfg, store=store, shared=self.shared)
         self.bs, self.context_chunk = tokens_per_block, context_chunk
         self.pool = torch.full((num_blocks, L, 2, H * tokens_per_block * D), SENTINEL)
         self.worker.register_kv_caches(self.pool)  # once, at executor start
         self.free = np.random.default_rng(tokens_per_block).permutation(num_blocks).tolist()
         self.active: dict = {}
-        self.parked: dict = {}
+        self.parked: dict = {}  # answered (n, True): out of the scheduler output until reported loaded
         self.metas: list = []
         self.reported: list = []
 
     def add(self, request: FakeLlmRequest, device_tokens: int = 0) -> int:
-        """``addSequence`` with a device prefix-cache hit of ``device_tokens``, then ``update_state_after_alloc``."""
+        """``addSequence`` with a device prefix-cache hit of ``device_tokens`` (``get_num_new_matched_tokens``,
+        ``setPrepopulatedPromptLen(prepopulated + numConnectorMatchedTokens)``), then ``update_state_after_alloc``."""
         t0 = time.perf_counter()
         n, is_async = self.scheduler.get_num_new_matched_tokens(request, device_tokens)
         self.answer_s = time.perf_counter() - t0
-        assert is_async is (n > 0) and device_tokens + n < request.prompt_len
+        assert device_tokens + n < request.prompt_len and not (is_async and n == 0)  # (0, True) raises there
         blocks = [self.free.pop() for _ in range(-(-request.prompt_len // self.bs))]
         for layer in range(L):  # what the device cache already held
             raw_write(self.pool, blocks, 0, DOC_KV[:, :, :, :device_tokens], layer)
         self.scheduler.update_state_after_alloc(request, blocks)
-        entry = dict(request=request, blocks=blocks, position=device_tokens + n, external=n, new=True)
+        # context_current_position counts the device's and the connector's tokens from here on
+        entry = dict(request=request, blocks=blocks, position=device_tokens + n, new=True,
+                     external=0 if is_async else n)  # build_scheduler_output's external_loads: this step only
         (self.parked if is_async else self.active)[request.request_id] = entry
         return n
 
-    def wait_loaded(self, timeout_s: float = 10.0) -> None:
-        """Steps with nothing scheduled until every parked request is reported loaded."""
-        end = time.monotonic() + timeout_s
-        while self.parked:
-            assert time.monotonic() < end, f"requests {list(self.parked)} never reported loaded"
-            self.step()
-            time.sleep(0.005)
+    def step(self, forward: bool = True) -> tc.KVCodecMeta:
+        """One executor step (``_kv_connector_start_batch``, the forward, ``wait_for_save``, ``get_finished``);
+        ``forward=False``: the model computes nothing (to look at the pool right after the loads).
 
-    def step(self) -> tc.KVCodecMeta:
+        ``RequestData`` as ``update_and_build_data`` / ``build_scheduler_output`` make it: a parked request
+        is left out; a new one reports ``computed_position = context_current_position`` less the tokens
+        matched synchronously in this very step (``external_loads``, reset every step), so after an
+        asynchronous load it already counts the connector's tokens; ``num_scheduled_tokens`` is
+        ``min(context_remaining_length, context_chunk_size)``, from the position after the connector's."""
         out, work = SchedulerOutput(), []
         for rid, r in self.active.items():
             prompt = r["request"].prompt_len
-            if r["position"] >= prompt:
+            external, r["external"] = r["external"], 0
+            if r["position"] >= prompt or not forward:
                 continue
             n = prompt - r["position"] if self.context_chunk is None else min(self.context_chunk, prompt - r["position"])
             data = RequestData(rid, r["request"].tokens if r["new"] else [], r["blocks"] if r["new"] else [],
-                               r["position"] - (r["external"] if r["new"] else 0), n)
+                               r["position"] - (external if r["new"] else 0), n)
             (out.new_requests if r["new"] else out.cached_requests).append(data)
             work.append((r, n))
             r["new"] = False
@@ -211,8 +216,8 @@ class Replay:
             self.worker.save_kv_layer(layer, None)
         self.worker.wait_for_save(None)
         saving, loaded = self.worker.get_finished([], list(self.parked))
-        assert saving == [] and set(loaded) <= set(self.parked)
-        for rid in loaded:
+        assert saving == [] and set(loaded) <= set(self.parked)  # an id never passed in: KeyError there
+        for rid in loaded:  # CONTEXT_INIT again; should_add_sequence is False: nothing re-matched
             self.active[rid] = self.parked.pop(rid)
             self.reported.append(rid)
         for r, n in work:
@@ -239,15 +244,13 @@ def replays():
 
 def staged(replay, prompt: int, chunks: int, salt: str = "") -> None:
     """What the ensemble's llm step does before it gives the request to the LLM API."""
-    replay.stage.put(DOC[:prompt], DOC_KV[:, :, :, :chunks * CHUNK], salt, CHUNK)
+    replay.stage.put(DOC[:prompt], to_pool(DOC_KV[:, :, :, :chunks * CHUNK], replay.shared.pages), salt, CHUNK)
 
 
-def wait_prefetch(scheduler, count: int = 1, timeout_s: float = 20.0) -> None:
+def wait_prefetch(scheduler, timeout_s: float = 20.0) -> None:
     end = time.monotonic() + timeout_s
-    while scheduler.prefetcher.counters["prefetches"] + scheduler.prefetcher.counters["failed"] < count:
+    while scheduler.prefetcher.busy:
         assert time.monotonic() < end, "the prefetch never ended"
-        time.sleep(0.01)
-    while scheduler.prefetcher._inflight:
         time.sleep(0.01)
 
 
@@ -284,7 +287,8 @@ def _fake_trtllm(path: str) -> dict:
 
 
 CONNECTOR_MODULES = ("kvcodec.engines.trtllm_connector", "kvcodec.engines.trtllm_compat",
-                     "kvcodec.engines.trtllm_scheduler", "kvcodec.engines.trtllm_worker")
+                     "kvcodec.engines.trtllm_scheduler", "kvcodec.engines.trtllm_worker",
+                     "kvcodec.engines.trtllm_prefetch", "kvcodec.engines.trtllm_shared")
 
 
 def _load_probe(monkeypatch, fake_modules: dict):
@@ -351,16 +355,16 @@ def test_matched_tokens_are_staged_whole_blocks_leaving_a_prompt_token(store, re
             stored = CHUNK * min(3, max(0, prompt - 1) // CHUNK)
             want = 0 if computed % tokens_per_block else max(0, stored - computed)
             want -= want % tokens_per_block if (computed + want) % tokens_per_block else 0
-            assert (n, is_async) == (want, want > 0), (prompt, computed)
+            assert (n, is_async) == (want, False), (prompt, computed)  # synchronous: never parked
             assert n == 0 or ((computed + n) % tokens_per_block == 0 and computed + n <= prompt - 1)
             assert scheduler.request_finished(request, []) is False
-    assert len(scheduler._matched) == 0  # nothing a finished request was promised is left behind
+    assert scheduler.core.pending["matches"] == 0  # nothing a finished request was promised is left behind
 
 
 def test_the_scheduler_never_waits_for_the_store(store, replays):
     """A store that hangs: the executor's call returns at once, the prompt is computed, and the
     stored prefix is read in the background for the prompts that follow."""
-    ingest(store, "int8-zstd", n_chunks=3)
+    keys = ingest(store, "int8-zstd", n_chunks=3)
     release = threading.Event()
     real_get = store.get
 
@@ -375,8 +379,9 @@ def test_the_scheduler_never_waits_for_the_store(store, replays):
     release.set()
     wait_prefetch(replay.scheduler)
     assert replay.add(FakeLlmRequest(2, DOC[:900])) == 768
-    replay.wait_loaded()
-    assert replay.reported == [2]
+    replay.step(forward=False)
+    want = np.concatenate([restored(store, k) for k in keys[:3]], axis=3)
+    np.testing.assert_array_equal(raw_read(replay.pool, replay.active[2]["blocks"], 0, 768), want)
 
 
 # -- the load -------------------------------------------------------------------------------------------------
@@ -391,7 +396,7 @@ def test_load_writes_exactly_the_staged_kv_and_nothing_else(store, replays, toke
     request = FakeLlmRequest(7, DOC[:700])
     n = replay.add(request, device_tokens=device)
     assert n == 512 - device
-    replay.wait_loaded()
+    replay.step(forward=False)  # the load is written in the step's start_load_kv
     blocks = replay.active[7]["blocks"]
     want = np.concatenate([restored(store, keys[0]), restored(store, keys[1])], axis=3)
     pool = replay.pool
@@ -409,19 +414,129 @@ def test_load_writes_exactly_the_staged_kv_and_nothing_else(store, replays, toke
     replay.finish(request)
 
 
-def test_a_load_is_reported_only_after_tensorrt_llm_named_it_started(store, replays):
+def test_a_load_is_written_in_the_step_that_schedules_it_and_leaves_the_stage(store, replays):
+    """(n, False): nothing parked, nothing to report; start_load_kv writes it before the forward and its
+    staged KV leaves the stage (TensorRT-LLM's reuse tree holds those blocks from then on)."""
     replay = replays(config(store, prefetch=False), store, 32)
     staged(replay, 900, 2)
-    request = FakeLlmRequest(3, DOC[:900])
-    assert replay.add(request) == 512
-    loads = replay.worker.loads
-    end = time.monotonic() + 10
-    while not loads.get(3).loaded:
-        assert time.monotonic() < end
-        time.sleep(0.005)
-    assert replay.worker.get_finished([], []) == ([], [])  # loaded, but not yet named started
-    assert replay.worker.get_finished([], [3]) == ([], [3])
-    assert replay.worker.get_finished([], []) == ([], [])  # reported once
+    assert replay.stage.stats()["entries"] == 1
+    assert replay.add(FakeLlmRequest(3, DOC[:900])) == 512 and not replay.parked
+    blocks = replay.active[3]["blocks"]
+    assert (raw_read(replay.pool, blocks, 0, 512) == SENTINEL).all()  # nothing before the step
+    meta = replay.step(forward=False)
+    assert [(j.request_id, j.start, j.tokens) for j in meta.loads] == [(3, 0, 512)]
+    np.testing.assert_array_equal(raw_read(replay.pool, blocks, 0, 512), DOC_KV[:, :, :, :512])
+    assert replay.stage.stats()["entries"] == 0 and replay.stage.stats()["dropped"] == 1
+    assert replay.reported == [] and replay.worker.counters["loads"] == 1
+
+
+def test_a_load_that_cannot_be_written_raises_and_is_never_reported_loaded(store, replays, monkeypatch):
+    """After the promise TensorRT-LLM cannot be told: a write that fails (a device error) raises into the
+    executor instead of letting it compute over stale blocks or leaving the request parked."""
+    replay = replays(config(store, prefetch=False), store, 32)
+    staged(replay, 900, 2)
+    assert replay.add(FakeLlmRequest(5, DOC[:900])) == 512
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(replay.worker.pages, "write", broken)
+    with pytest.raises(LoadFailed, match="request 5"):
+        replay.step(forward=False)
+    assert replay.worker.counters["short_loads"] == 1 and replay.reported == [] and not replay.parked
+    assert replay.worker.get_finished([], []) == ([], [])
+
+
+def test_only_kv_in_the_pools_dtype_shape_and_device_is_promised(store, replays):
+    """What could still fail in the copy is not promised: host numpy, another dtype, another shape."""
+    replay = replays(config(store, prefetch=False), store, 32)  # a float32 pool on the CPU
+    scheduler = replay.scheduler
+    cases = [DOC_KV[:, :, :, :512],  # numpy, as restored
+             torch.from_numpy(DOC_KV[:, :, :, :512]).to(torch.float16),  # not the pool's dtype
+             torch.from_numpy(DOC_KV[:1, :, :, :512].copy())]  # not the model's layers
+    for rid, kv in enumerate(cases):
+        replay.stage.put(DOC[:900], kv, "", CHUNK)
+        assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(rid, DOC[:900]), 0) == (0, False), rid
+    staged(replay, 900, 2)  # through to_pool: float32 on the pool's device
+    assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(9, DOC[:900]), 0) == (512, False)
+
+
+def test_restored_kv_is_staged_from_wherever_kv_restore_left_it(monkeypatch):
+    """The trtllm engine stages what kv_restore gave: numpy or a torch tensor on any device (a CUDA one on
+    a GPU: numpy cannot take it), in the pool's dtype on the pool's device."""
+    from kvcodec.connector import LoadSession
+    from kvcodec.engines.trtllm_engine import promised_tokens, stage_restored
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    shared = Shared()
+    shared.pages = KVPages.from_trtllm(torch.zeros(40, L, 2, H * 32 * D), L, H, 32, D)
+    kv = torch.from_numpy(DOC_KV[:, :, :, :512]).to(torch.bfloat16)  # np.ascontiguousarray raises on it
+    assert stage_restored(DOC[:900], None, kv, CHUNK, 1.0, shared=shared) == 512
+    found = shared.stage.longest(DOC[:900], CHUNK, limit=899)
+    assert found.tokens == 512 and found.kv.dtype == torch.float32
+    torch.testing.assert_close(found.kv, kv.float())
+    session = LoadSession(CHUNK, 3)  # chunks as the ensemble delivers them: torch, one failed
+    session.put(0, torch.from_numpy(DOC_KV[:, :, :, :256]))
+    session.fail(1, "corrupt")
+    other = DOC[:256] + DOC[300:900]
+    assert stage_restored(other, session, None, CHUNK, 1.0, shared=shared) == 256
+    assert shared.stage.longest(other, CHUNK).tokens == 256
+    assert promised_tokens(DOC[:900], shared=shared) == 0  # nothing promised yet
+
+
+def test_the_stage_is_bounded_in_bytes_counts_evictions_and_drops():
+    from kvcodec.connector.stage import Stage, nbytes
+
+    chunk = torch.zeros(L, 2, H, 2 * CHUNK, D)
+    stage = Stage(max_bytes=2 * nbytes(chunk) + 100)
+    prompts = [[p] * 1024 for p in (1, 2, 3)]
+    for p in prompts:
+        assert stage.put(p, chunk.clone(), "", CHUNK)
+    stats = stage.stats()
+    assert (stats["entries"], stats["evicted"], stats["bytes"]) == (2, 1, 2 * nbytes(chunk))  # prefixes count once
+    assert stage.longest(prompts[0], CHUNK) is None  # the least recently used went first
+    found = stage.longest(prompts[1] + [7], CHUNK)
+    assert found.tokens == 512 and stage.longest(prompts[1][:300], CHUNK).tokens == 256
+    stage.drop(found.entry)
+    assert stage.longest(prompts[1], CHUNK) is None and stage.stats()["dropped"] == 1
+    assert not stage.put([9] * 4096, torch.zeros(L, 2, H, 4096, D), "", CHUNK)  # alone larger than the bound
+    assert stage.stats()["refused"] == 1 and stage.bytes <= stage.max_bytes
+    cfg = json.dumps({"store": "memory://x", "stage_bytes": 0, "model": dict(name="t", model_id="t@x", layers=2,
+                      kv_heads=3, head_dim=64, vocab_size=10, max_context=512)})
+    with pytest.raises(ConfigError, match="stage_bytes"):
+        from kvcodec.engines.trtllm_config import from_mapping
+
+        from_mapping(json.loads(cfg))
+
+
+def test_a_staged_lookup_hashes_each_prompt_token_once(monkeypatch):
+    """The executor thread's look-up is one pass over the prompt, not a hash of every prefix."""
+    import hashlib
+
+    real, hashed = hashlib.blake2b, [0]
+
+    class Counting:
+        def __init__(self, data=b"", **kwargs):
+            hashed[0] += len(data)
+            self._h = real(data, **kwargs)
+
+        def update(self, data):
+            hashed[0] += len(data)
+            self._h.update(data)
+
+        def digest(self):
+            return self._h.digest()
+
+        def hexdigest(self):
+            return self._h.hexdigest()
+
+    shared = Shared()
+    ids = list(range(32768))
+    shared.stage.put(ids[:512], torch.zeros(L, 2, H, 512, D), "", CHUNK)
+    monkeypatch.setattr(hashlib, "blake2b", Counting)
+    found = shared.stage.longest(ids, CHUNK, limit=len(ids) - 1)
+    assert found.tokens == 512
+    assert hashed[0] <= 2 * 8 * len(ids)  # every prefix hashed from the start would be ~64x this
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
@@ -441,32 +556,38 @@ def test_a_bad_middle_chunk_is_never_promised(store, replays, damage, tokens_per
     wait_prefetch(replay.scheduler)
     request = FakeLlmRequest(2, DOC[:900])
     assert replay.add(request) == 256  # the staged run ends before the bad chunk
-    replay.wait_loaded()
+    replay.step(forward=False)
     blocks = replay.active[2]["blocks"]
     np.testing.assert_array_equal(raw_read(replay.pool, blocks, 0, 256), restored(store, keys[0]))
     assert (raw_read(replay.pool, blocks, 256, 900 - 256) == SENTINEL).all()
     assert replay.worker.counters["short_loads"] == 0
-    assert bool(replay.scheduler.prefetcher.corrupt) == (damage == "corrupt")
+    assert bool(len(replay.shared.corrupt)) == (damage == "corrupt")
 
 
 def test_warm_up_dummies_cache_salt_and_the_count_commitment(store, replays):
     replay = replays(config(store, prefetch=False), store, 32)
-    staged(replay, 900, 3, salt="tenant-a")
+    staged(replay, 900, 3, salt=trtllm_compat.cache_salt(FakeLlmRequest(0, [], cache_salt="tenant-a")))
     scheduler = replay.scheduler
     assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(1, DOC[:900], is_dummy=True), 0) == (0, False)
-    assert scheduler.counters["dummies"] == 1 and not scheduler._matched
+    assert scheduler.counters["dummies"] == 1 and not scheduler.core.pending["matches"]
     assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(2, DOC[:900], cache_salt="tenant-b"), 0) == (0, False)
     assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(3, DOC[:900]), 0) == (0, False)  # unsalted
     request = FakeLlmRequest(4, DOC[:900], cache_salt="tenant-a")
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (768, True)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (768, False)
+    salted_12 = FakeLlmRequest(5, DOC[:900], cache_salt_id=77)  # 1.2: the salt's id only
+    assert scheduler.get_num_new_matched_tokens(salted_12, 0) == (0, False)
+    replay.stage.put(DOC[:900], to_pool(DOC_KV[:, :, :, :512], replay.shared.pages), trtllm_compat.cache_salt(salted_12),
+                     CHUNK)
+    assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(6, DOC[:900], cache_salt_id=78), 0) == (0, False)
+    assert scheduler.get_num_new_matched_tokens(salted_12, 0) == (512, False)
     scheduler.commit_new_matched_tokens(request, 256)  # 1.3+: the runtime took fewer than offered
     blocks = list(range(29))
     scheduler.update_state_after_alloc(request, blocks)
-    end = time.monotonic() + 10
-    while not replay.worker.loads.get(4).loaded:
-        assert time.monotonic() < end
-        time.sleep(0.005)
-    assert replay.worker.loads.get(4).span == (0, 256)
+    meta = scheduler.build_connector_meta(SchedulerOutput())
+    assert [(j.request_id, j.start, j.tokens) for j in meta.loads] == [(4, 0, 256)]
+    replay.worker.bind_connector_meta(meta)
+    replay.worker.start_load_kv(None)
+    np.testing.assert_array_equal(raw_read(replay.pool, blocks, 0, 256), DOC_KV[:, :, :, :256])
     assert (raw_read(replay.pool, blocks, 256, 512) == SENTINEL).all()
 
 
@@ -495,11 +616,10 @@ def test_save_after_a_miss_stores_the_chunks_the_pool_holds(store, replays, tmp_
     replay.finish_all = None
     request = FakeLlmRequest(9, DOC[:900])
     assert replay.add(request) == 256
-    replay.wait_loaded()
     start = len(replay.metas)
     while replay.active[9]["position"] < 900:
         replay.step()
-    assert replay.worker.queue.flush(timeout_s=30)
+    assert replay.worker.sink.flush(timeout_s=30)
     saved = [s for m in replay.metas[start:] for s in m.saves if s.request_id == 9]
     assert [[c[0] for c in s.chunks] for s in saved] == [[1, 2]]
     assert len(replay.metas) - start == (1 if context_chunk is None else 3)
@@ -511,10 +631,10 @@ def test_save_after_a_miss_stores_the_chunks_the_pool_holds(store, replays, tmp_
         np.testing.assert_allclose(restored(store, lossy[i]), in_pool, atol=0.1)  # int8: stored again
     assert store.get(lossy[2]) == before[lossy[2]]  # present and sound: left as it was
     assert replay.worker.counters["saved_chunks"] == 2 + 3  # request 8 (a miss) saved its three too
-    from kvcodec.engines.trtllm_worker import QUEUES, writeback_stats
+    from kvcodec.engines.trtllm_worker import SINKS, writeback_stats
 
-    assert replay.worker.queue in QUEUES  # what the engine exports as kvcodec_writeback_total
-    own = replay.worker.queue.stats()
+    assert replay.worker.sink in SINKS  # what the engine exports as kvcodec_writeback_total
+    own = replay.worker.sink.stats()
     assert own["stored"] >= 1 and writeback_stats()["stored"] >= own["stored"]
     replay.finish(request)
 

@@ -60,6 +60,10 @@ class FakeLLM:
         blocks = list(range(-(-len(ids) // BS)))
         self.blocks[rid] = (blocks, n)
         self.scheduler.update_state_after_alloc(request, blocks)
+        # the step: metadata to the worker, the step's loads written before its forward
+        self.worker.bind_connector_meta(self.scheduler.build_connector_meta(
+            SimpleNamespace(new_requests=[], cached_requests=[])))
+        self.worker.start_load_kv(None)
         end = time.monotonic() + 10
         while is_async and rid not in self.worker.get_finished([], [rid])[1]:
             assert time.monotonic() < end, "the load was never reported"

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
 
-from kvcodec.connector import LoadSession, SaveTracker  # noqa: E402
+from kvcodec.connector import LoadSession, SchedulerCore  # noqa: E402
 from kvcodec.engines import vllm_connector as vc  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -21,8 +21,7 @@ C, BS = 256, 128
 def scheduler_half() -> "vc.KVCodecConnector":
     """The connector's scheduler side without a vLLM config: the state its scheduler calls use."""
     half = object.__new__(vc.KVCodecConnector)
-    half.block_size, half._matched, half._attached, half._given = BS, {}, [], {}
-    half._saves = SaveTracker()
+    half.core, half._attached = SchedulerCore(BS, C), []
     return half
 
 

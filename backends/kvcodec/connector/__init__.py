@@ -26,11 +26,24 @@ from .load import RequestLoad
 from .pages import LAYOUTS, KVPages
 from .plan import chunks_to_save, matched_tokens, stored_prefix
 from .save import ChunkSaver, SaveJob, SaveTracker
+from .scheduler import Load, SchedulerCore
 from .session import LoadSession
+from .sink import WriteBackSink, open_sink
+from .stage import Stage, prefix_keys
+from .worker import HostCopy, LoadFailed, WorkerCore
 from .writeback import Increments, WriteBack, merged
 
 __all__ = [
     "ChunkSaver",
+    "HostCopy",
+    "Load",
+    "LoadFailed",
+    "SchedulerCore",
+    "Stage",
+    "WorkerCore",
+    "WriteBackSink",
+    "open_sink",
+    "prefix_keys",
     "HandOff",
     "KVPages",
     "LAYOUTS",

@@ -34,6 +34,11 @@ Token position ``p`` of a request (counted from the start of its block list) liv
   pool's) ``[layers, 2, kv_heads, n, head_dim]`` goes to positions ``[token_start, token_start+n)``,
   one indexed copy per layer. Everything is checked before anything is written (``ValueError``);
 - ``read(block_ids, token_start, n)``: a copy of those positions, same shape, the pool's dtype.
+
+Both work on the current stream and never synchronize it: the block and slot indices are built on
+the host and reach a GPU from pinned memory (``non_blocking``); ``kv`` on the pool's device is copied
+there without leaving it (a host ``kv`` is copied from wherever it is: pin it to keep the copy
+asynchronous).
 """
 from __future__ import annotations
 
@@ -108,6 +113,16 @@ def _as_torch(kv) -> torch.Tensor:
     if not kv.is_floating_point():
         raise ValueError(f"KV must be floating point, got {kv.dtype}")
     return kv
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An index built on the host, on ``device`` without a synchronize: a CUDA device gets it from
+    pinned memory, copied on the current stream (``non_blocking``; torch keeps the pinned buffer until
+    the copy is done). ``torch.tensor(..., device=cuda)`` would copy from pageable memory and block the
+    host until the stream got there, stalling the engine's step behind its forward."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class KVPages:
@@ -187,9 +202,9 @@ class KVPages:
         if len(set(used)) != len(used):
             raise ValueError(f"block ids repeat in {used[:8]}...")
         device = self.views[0][0].device
-        pos = torch.arange(token_start, token_start + n, device=device)
-        ids = torch.tensor(used, dtype=torch.long, device=device)
-        return ids[pos // bs - first], pos % bs
+        pos = torch.arange(token_start, token_start + n)
+        blocks, slots = torch.tensor(used, dtype=torch.long)[pos // bs - first], pos % bs
+        return _to_device(blocks, device), _to_device(slots, device)
 
     def write(self, block_ids: Sequence[int], token_start: int, kv) -> None:
         kv = _as_torch(kv)
@@ -201,7 +216,7 @@ class KVPages:
         if n == 0:
             return
         blocks, slots = self._index(block_ids, token_start, n)
-        kv = kv.to(device=self.views[0][0].device, dtype=self.dtype)
+        kv = kv.to(device=self.views[0][0].device, dtype=self.dtype, non_blocking=True)
         for layer, (k, v) in enumerate(self.views):
             k[blocks, :, slots, :] = kv[layer, 0].transpose(0, 1)  # [n, heads, dim]
             v[blocks, :, slots, :] = kv[layer, 1].transpose(0, 1)

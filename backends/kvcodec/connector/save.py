@@ -1,6 +1,8 @@
 """Save after a miss, for every engine and for ingest: which chunks, when, and how they are stored.
 
-- ``SaveTracker`` (scheduler side of a paged engine): ``track(rid, chunks, **extra)`` names a
+- ``SaveTracker(max_tracked=None)`` (scheduler side of a paged engine, through
+  ``connector.scheduler.SchedulerCore``; the oldest of more than ``max_tracked`` requests is dropped):
+  ``track(rid, chunks, **extra)`` names a
   request's full chunks to store (``plan.chunks_to_save``); ``add_blocks(rid, ids)`` follows the
   blocks the engine gives it, step by step; ``step(rid, computed_after_step)`` returns the request's
   ``SaveJob`` (and forgets it) in the step whose forward completes its last tracked chunk, else
@@ -11,14 +13,14 @@
   anyway). ``keys(ids, index)`` are the chunk's keys at each rung. Each thread gets its own encoders
   (an encoder holds a check decoder), so ingest may run several at once. ``encode(scheme, kv, key,
   index, start)`` returns ``(bytes, encode_s, check_decode_s)`` for callers that store themselves.
-  Write-back runs it through ``connector.WriteBack`` (off the request's path); ``save_job`` is the
-  function that queue calls.
+  Write-back runs it through ``connector.WriteBackSink`` (off the request's path).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Generic, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
@@ -45,12 +47,15 @@ class SaveJob:
 
 
 class SaveTracker(Generic[R]):
-    def __init__(self) -> None:
-        self._jobs: Dict[R, SaveJob] = {}
+    def __init__(self, max_tracked: Optional[int] = None) -> None:
+        self.max_tracked = max_tracked
+        self._jobs: "OrderedDict[R, SaveJob]" = OrderedDict()
 
     def track(self, rid: R, chunks: Sequence[Chunk], **extra: Any) -> None:
         if chunks and rid not in self._jobs:
             self._jobs[rid] = SaveJob(rid, [], list(chunks), dict(extra))
+            while self.max_tracked is not None and len(self._jobs) > self.max_tracked:
+                self._jobs.popitem(last=False)  # a request the engine never finished
 
     def __contains__(self, rid: R) -> bool:
         return rid in self._jobs
@@ -127,8 +132,3 @@ class ChunkSaver:
             written += 1
             log.info("write-back: chunk %d at %s (%d bytes) in %.2f s", index, rung_name(scheme), len(data), encode_s)
         return written
-
-    def save_job(self, job: Tuple) -> None:
-        """``(keys, index, start, kv[, replace])``: the job ``WriteBack`` queues."""
-        keys, index, start, kv, *rest = job
-        self.save(keys, index, start, kv, rest[0] if rest else frozenset())

@@ -28,6 +28,9 @@ Contract of an engine class:
   its own full prefill (the ``raw`` rung's promise).
 - ``engine.continuation_logprobs(past_kv, ids)``: teacher-forced next-token log-probabilities
   ``[len(ids), vocab]`` (the quality harness).
+- ``engine.max_concurrency``, ``engine.streams_loads``, ``engine.writeback_stats()``, ``engine.close()``
+  (``model_files.EngineFiles`` gives the defaults: one request at a time, no streamed loads, no
+  write-back, nothing to release).
 """
 from __future__ import annotations
 
@@ -98,6 +101,12 @@ class Engine(Protocol):
                report: Optional[dict] = None, load=None) -> Iterator[int]: ...
 
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
+
+    def writeback_stats(self) -> Optional[dict]:
+        """The write-back sink's counts (queued, stored, dropped, failed, pending); None: no write-back."""
+
+    def close(self) -> None:
+        """Release threads, write-back (finishing what was accepted) and store connections."""
 
 
 ENGINES: Registry = Registry("engine")

@@ -104,6 +104,16 @@ class EngineFiles:
     for an engine instance with a ``card`` and a ``tokenizer``, ``geometry``, ``tokenize`` and
     ``detokenizer``."""
 
+    max_concurrency = 1  # requests in flight at once (an engine that batches says more)
+    streams_loads = False  # True: ``stream(load=...)`` takes chunks still arriving
+
+    def writeback_stats(self) -> "Optional[dict]":
+        """The write-back sink's counts (``connector.WriteBack.stats``); None: this engine does not save."""
+        return None
+
+    def close(self) -> None:
+        """Release the engine (threads, write-back, store connections)."""
+
     def _bind(self, settings) -> "ModelFiles":
         """Set what every engine instance holds (settings, card, model_id, tokenizer, chunk_tokens);
         the model files, ready to load."""

@@ -8,7 +8,7 @@ machines): the tests replay its calls on CPU.
   ``...pyexecutor.connectors.kv_cache_connector`` (1.3+). Where TensorRT-LLM is not installed the
   connector derives from stand-ins with the same constructor and metadata binding, so it imports
   and its tests run anywhere (``HAVE_TRTLLM`` says which).
-- ``prompt(request)``, ``cache_salt(request)`` (1.3+ ``RequestData.cache_salt`` / the request's
+- ``prompt(request)``, ``cache_salt(request)`` (1.2's ``LlmRequest.cache_salt_id``, later
   ``cache_salt``: part of the stage key, so salted prompts never share KV), ``is_dummy(request)``
   (warm-up and padding requests: CUDA-graph and attention-DP dummies never reach the store).
 - CUDA graphs: before TensorRT-LLM PR #8275 (1.1.x, 1.2.0rc0/rc1) ``create_py_executor`` refused
@@ -110,10 +110,17 @@ def prompt(request: Any) -> List[int]:
 
 
 def cache_salt(request: Any) -> str:
-    salt = getattr(request, "cache_salt", None)
-    if salt is None:
-        salt = getattr(getattr(request, "py_request", None), "cache_salt", None)
-    return "" if salt is None else str(salt)
+    """The request's cache salt as part of the stage key: 1.2's ``LlmRequest`` binds ``cache_salt_id``
+    (an integer, from ``LLM.generate(cache_salt=...)``; PR #7106), later releases also carry
+    ``cache_salt``; salted prompts never share staged KV with other salts or with unsalted ones."""
+    for holder in (request, getattr(request, "py_request", None)):
+        if holder is None:
+            continue
+        for name in ("cache_salt", "cache_salt_id"):
+            salt = getattr(holder, name, None)
+            if salt is not None:
+                return f"{name}={salt}"
+    return ""
 
 
 def is_dummy(request: Any) -> bool:

@@ -24,6 +24,8 @@ reach them. So the connector reads a JSON file named by ``TRTLLM_KVCODEC_CONFIG`
 | max_pending     | write-back jobs that may wait before new ones are dropped (8)               |
 | prefetch        | read a prompt's stored prefix into the stage when nothing is staged (true:  |
 |                 | the stock LLM-API model; the ensemble's llm step stages chunks itself)      |
+| stage_bytes     | restored KV staged on the pool's device, outside TensorRT-LLM's pool        |
+|                 | (``free_gpu_memory_fraction``), at most (1 GiB); least recently used goes   |
 | model           | the model card (``engines.ModelCard`` fields; required)                     |
 
 Values are checked as ``kvcodec.settings.Settings`` checks them (the same messages); unknown keys
@@ -55,7 +57,7 @@ CONFIG_ENV = "TRTLLM_KVCODEC_CONFIG"
 CHUNK_KEY_ENV = "TRTLLM_KVCODEC_CHUNK_KEY"
 _SETTINGS_KEYS = ("store", "ladder", "chunk_tokens", "writeback", "key_file", "home", "decoder", "threads",
                   "fetch_timeout_s")
-_KEYS = _SETTINGS_KEYS + ("max_pending", "prefetch", "model")
+_KEYS = _SETTINGS_KEYS + ("max_pending", "prefetch", "stage_bytes", "model")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class TrtllmConfig:
     fetch_timeout_s: float = 20.0
     max_pending: int = 8
     prefetch: bool = True
+    stage_bytes: int = 1 << 30
 
     def auth(self, env: Optional[Mapping[str, str]] = None) -> ChunkAuth:
         env = os.environ if env is None else env
@@ -124,14 +127,17 @@ def from_mapping(data: Mapping[str, Any], where: str = "config") -> TrtllmConfig
     prefetch = data.get("prefetch", True)
     if not isinstance(prefetch, bool):
         raise ConfigError(f"{where}: prefetch must be true or false, got {prefetch!r}")
-    return replace(from_settings(settings, card), max_pending=max_pending, prefetch=prefetch)
+    stage_bytes = data.get("stage_bytes", 1 << 30)
+    if not isinstance(stage_bytes, int) or isinstance(stage_bytes, bool) or stage_bytes < 1:
+        raise ConfigError(f"{where}: stage_bytes must be an integer >= 1, got {stage_bytes!r}")
+    return replace(from_settings(settings, card), max_pending=max_pending, prefetch=prefetch, stage_bytes=stage_bytes)
 
 
 def from_settings(settings: Settings, card: ModelCard) -> TrtllmConfig:
     return TrtllmConfig(card=card, store=settings.store, ladder=tuple(settings.ladder),
                         chunk_tokens=settings.chunk_tokens, writeback=tuple(settings.writeback),
                         key_file=settings.key_file, decoder=settings.decoder, threads=max(1, settings.threads),
-                        fetch_timeout_s=settings.fetch_timeout_s)
+                        fetch_timeout_s=settings.fetch_timeout_s, max_pending=settings.writeback_pending)
 
 
 def load_config(env: Optional[Mapping[str, str]] = None) -> TrtllmConfig:

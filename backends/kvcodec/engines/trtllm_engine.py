@@ -10,13 +10,14 @@ engine's connector runs for real in CI.
 - In process: ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` (set before the first ``LLM(...)``; TensorRT-LLM's
   own connector tests use it) keeps the executor and both connector halves in this process, as the
   vLLM engine does with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so restored chunks are handed over in
-  memory (``trtllm_connector.STAGE``), never through a file or CUDA IPC.
+  memory (``trtllm_shared.SHARED``), never through a file or CUDA IPC.
 - ``stream(ids, max_tokens, load=session)`` (``streams_loads``): the llm step hands the request over
   at its first chunk; this waits (in the step's worker thread, never on TensorRT-LLM's executor)
-  until the session's usable prefix is settled, stages that KV under the prompt's prefix (on the
-  device when the engine is on one), then submits the prompt. The connector's scheduler finds it
-  staged and promises exactly those tokens as an asynchronous load; nothing that can still fail is
-  promised (TensorRT-LLM has no way to take a promise back). ``report`` receives
+  until the session's usable prefix is settled, stages that KV under the prompt's prefix (in the
+  pool's dtype, on its device: a device tensor from ``kv_restore`` stays there), then submits the
+  prompt. The connector's scheduler finds it staged and promises exactly those tokens, written in
+  the same step before the forward; nothing that can still fail is promised (TensorRT-LLM has no
+  way to take a promise back). ``report`` receives
   ``reused_tokens`` (what the connector promised) and ``staged_tokens``.
 - Write-back after a miss is the connector worker's (``trtllm_worker``, ``writeback`` rungs); the
   connector's settings come from ``Settings`` through a config file this engine writes under
@@ -74,7 +75,8 @@ def connector_settings(settings, card: ModelCard, prefetch: bool) -> Dict[str, A
     return {"store": settings.store, "ladder": list(settings.ladder), "chunk_tokens": settings.chunk_tokens,
             "writeback": list(settings.writeback) or "off", "key_file": str(settings.key_file),
             "decoder": settings.decoder, "threads": max(1, settings.threads),
-            "fetch_timeout_s": settings.fetch_timeout_s, "prefetch": prefetch, "model": asdict(card)}
+            "fetch_timeout_s": settings.fetch_timeout_s, "prefetch": prefetch, "model": asdict(card),
+            "max_pending": settings.writeback_pending}
 
 
 class TrtllmEngine(model_files.EngineFiles):
@@ -143,11 +145,13 @@ class TrtllmEngine(model_files.EngineFiles):
         self._llm.shutdown()
 
 
-def stage_restored(ids: List[int], load, past_kv, chunk_tokens: int, timeout_s: float) -> int:
-    """Put what the request brings into the connector's stage (its settled, verified prefix), on the
-    device when there is one; the tokens staged."""
-    from .trtllm_connector import STAGE
+def stage_restored(ids: List[int], load, past_kv, chunk_tokens: int, timeout_s: float, shared=None) -> int:
+    """Put what the request brings into the connector's stage (its settled, verified prefix) in the
+    pool's dtype and on its device (``trtllm_shared.to_pool``): numpy from the host or torch on any
+    device, as the ``kv_restore`` step left it; the tokens staged (0 when the stage refused it)."""
+    from .trtllm_shared import SHARED, to_pool
 
+    shared = SHARED if shared is None else shared
     if load is not None:
         if not load.wait_settled(timeout_s):
             log.warning("chunks still missing after %.0f s: the prompt is computed", timeout_s)
@@ -159,22 +163,14 @@ def stage_restored(ids: List[int], load, past_kv, chunk_tokens: int, timeout_s: 
     n -= n % chunk_tokens
     if n <= 0:
         return 0
-    kv = past_kv[:, :, :, :n]
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            kv = torch.from_numpy(np.ascontiguousarray(kv)).to("cuda", non_blocking=True)
-    except ImportError:
-        pass
-    STAGE.put(ids, kv, "", chunk_tokens)
-    return n
+    kv = to_pool(past_kv[:, :, :, :n], shared.pages)
+    return n if shared.stage.put(ids, kv, "", chunk_tokens) else 0
 
 
-def promised_tokens(ids: Sequence[int]) -> int:
+def promised_tokens(ids: Sequence[int], shared=None) -> int:
     """What the connector promised for this prompt (its scheduler records it by prompt)."""
     from ..connector import prompt_key
-    from .trtllm_connector import HANDOFF
+    from .trtllm_shared import SHARED
 
-    value = HANDOFF.pop("promised:" + prompt_key(list(ids)))
+    value = (SHARED if shared is None else shared).promised.pop(prompt_key(list(ids)))
     return int(value or 0)

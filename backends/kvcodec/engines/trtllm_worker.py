@@ -1,94 +1,74 @@
-"""TensorRT-LLM's connector, worker half (every rank; the connector supports one).
+"""TensorRT-LLM's connector, worker half (every rank; the connector supports one): translates its calls
+to ``connector.WorkerCore``.
 
 - ``register_kv_caches(pool)``: the primary pool ``[num_blocks, num_layers, 2, kv_heads *
   tokens_per_block * head_dim]`` (``KVPages.from_trtllm``), checked against the model card and
-  registered in the process's hand-off for the scheduler's copies. Refused (``Unsupported``): a pool
-  that does not fit the card, tensor or pipeline parallelism, an attention backend other than
-  TRTLLM (FlashInfer and vanilla view blocks token-major), a KV dtype other than float16, bfloat16
-  or float32 (FP8 needs its scales).
-- ``get_finished(finished_gen_req_ids, started_loading_req_ids)``: a load is reported in the second
-  list only after TensorRT-LLM named it started and once its ``LoadSession`` is loaded; a load that
-  fell short (a device error: nothing that can fail is ever promised) is counted
-  (``short_loads``) and said loudly, since TensorRT-LLM cannot be told.
-- ``wait_for_save(stream)``: the step's saves are gathered out of the blocks on the step's stream
-  and copied to host memory without blocking the executor (no stream synchronize: a CUDA event
-  marks when the copy is done, and the write-back thread waits for it before encoding);
-  ``connector.WriteBack`` + ``ChunkSaver`` encode, sign and store them off the executor's path.
-- ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``: nothing (loads are copied when their
-  blocks are allocated; saves are whole chunks after the forward).
+  shared with the scheduler half (``trtllm_shared``). Refused (``Unsupported``): a pool that does
+  not fit the card, tensor or pipeline parallelism, an attention backend other than TRTLLM
+  (FlashInfer and vanilla view blocks token-major), a KV dtype other than float16, bfloat16 or
+  float32 (FP8 needs its scales).
+- ``start_load_kv(stream)``: the step's loads (``KVCodecMeta.loads``, promised synchronously) are
+  written into their blocks on ``stream`` before the forward (``WorkerCore.load_now``), and their
+  staged KV leaves the stage. A load that cannot write every promised token raises ``LoadFailed``
+  into the executor: TensorRT-LLM cannot be told of a failed load, and computing over stale blocks
+  would answer wrongly and put those blocks in its reuse tree. Only KV already in the pool's dtype,
+  shape and device is promised, so only a device error gets there.
+- ``wait_for_save(stream)``: the step's saves are gathered out of the blocks on the step's stream and
+  copied to host memory without a synchronize (``connector.HostCopy``); the write-back sink
+  (``connector.WriteBackSink``) encodes, signs and stores them off the executor's path.
+- ``get_finished``: nothing is ever loaded asynchronously; ``([], [])``.
+- ``wait_for_layer_load``, ``save_kv_layer``: nothing (loads are whole before the forward; saves are
+  whole chunks after it).
 """
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..connector import ChunkSaver, KVPages, WriteBack, merged
+from ..connector import KVPages, LoadFailed, WorkerCore, WriteBackSink, merged, open_sink
 from ..errors import Unsupported
-from ..format.ladder import parse_ladder
-from ..store import KVStore, open_store
+from ..store import KVStore
 from . import trtllm_compat as compat
 from .trtllm_config import TrtllmConfig, load_config
+from .trtllm_shared import SHARED, Shared
 
 log = logging.getLogger("kvcodec.trtllm")
 
 _, _WorkerBase, _ = compat.bases()
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-
-class _HostCopy:
-    """A device tensor's copy to host memory, started on the current stream; ``get()`` waits for it."""
-
-    def __init__(self, kv: torch.Tensor) -> None:
-        self.event = None
-        if kv.is_cuda:
-            self.host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-            self.host.copy_(kv, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = kv
-
-    def get(self):
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.to(torch.float32).numpy()
-
-
-QUEUES: "weakref.WeakSet[WriteBack]" = weakref.WeakSet()  # live workers' write-back queues (metrics)
+SINKS: "weakref.WeakSet[WriteBackSink]" = weakref.WeakSet()  # live workers' write-back sinks (metrics)
 
 
 def writeback_stats() -> Optional[dict]:
     """The live workers' write-back counts summed (``connector.merged``), None when none writes back."""
-    queues = list(QUEUES)
-    return merged(q.stats() for q in queues) if queues else None
+    sinks = list(SINKS)
+    return merged(s.stats() for s in sinks) if sinks else None
 
 
 class KVCodecWorker(_WorkerBase):
     def __init__(self, llm_args: Any = None, config: Optional[TrtllmConfig] = None,
-                 store: Optional[KVStore] = None, loads=None, handoff=None) -> None:
-        from . import trtllm_connector as shared
-
+                 store: Optional[KVStore] = None, shared: Optional[Shared] = None) -> None:
         super().__init__(llm_args)
         self.cfg = config or load_config()
-        self.loads = shared.LOADS if loads is None else loads
-        self.handoff = shared.HANDOFF if handoff is None else handoff
-        self.pages: Optional[KVPages] = None
-        self._started: Set[int] = set()
-        self.queue: Optional[WriteBack] = None
-        self.store: Optional[KVStore] = None
-        if self.cfg.writeback:
-            self.store = store or open_store(self.cfg.store)
-            self.saver = ChunkSaver(self.store, self.cfg.card.model_id,
-                                    parse_ladder(list(self.cfg.writeback), self.cfg.card), self.cfg.chunk_tokens,
-                                    auth=self.cfg.auth())
-            self.queue = WriteBack(self._save, max_pending=self.cfg.max_pending, name="kv-writeback")
-            QUEUES.add(self.queue)
-        self.counters = {"loads": 0, "loaded_tokens": 0, "short_loads": 0, "saved_chunks": 0, "dropped_chunks": 0,
-                         "save_copy_s": 0.0}
+        self.shared = SHARED if shared is None else shared
+        self.core = WorkerCore()
+        self.sink: Optional[WriteBackSink] = open_sink(store or self.cfg.store, self.cfg.card, self.cfg.writeback,
+                                                       self.cfg.chunk_tokens, self.cfg.auth(),
+                                                       max_pending=self.cfg.max_pending, corrupt=self.shared.corrupt)
+        if self.sink is not None:
+            SINKS.add(self.sink)
+
+    @property
+    def counters(self) -> dict:
+        return self.core.counters
+
+    @property
+    def pages(self) -> Optional[KVPages]:
+        return self.core.pages
 
     # -- TensorRT-LLM's calls ----------------------------------------------------------------------
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -111,16 +91,26 @@ class KVCodecWorker(_WorkerBase):
         if t.dtype not in POOL_DTYPES:
             raise Unsupported(f"TensorRT-LLM KV cache dtype {t.dtype}: the connector writes float16, bfloat16 "
                               "or float32 (not quantized KV)")
-        self.pages = KVPages.from_trtllm(t, card.layers, card.kv_heads, tokens_per_block, card.head_dim)
-        self.handoff.pages = self.pages
+        pages = KVPages.from_trtllm(t, card.layers, card.kv_heads, tokens_per_block, card.head_dim)
+        self.core.register(pages)
+        self.shared.pages = pages
         if str(t.dtype).removeprefix("torch.") != card.kv_dtype:
             log.warning("KV pool is %s, the model card's kv_dtype %s: the raw rung is not bit-exact here",
                         t.dtype, card.kv_dtype)
-        log.info("kvcodec connector: %d layers, %d blocks of %d tokens, %s", self.pages.layers, self.pages.num_blocks,
-                 self.pages.block_size, self.pages.dtype)
+        log.info("kvcodec connector: %d layers, %d blocks of %d tokens, %s", pages.layers, pages.num_blocks,
+                 pages.block_size, pages.dtype)
 
     def start_load_kv(self, stream: Any = None) -> None:
-        return  # a load is copied when its blocks are allocated (the scheduler's update_state_after_alloc)
+        meta = self.get_connector_meta()
+        for job in getattr(meta, "loads", ()):
+            load = self.shared.loads.pop(job.request_id)
+            if load is None:
+                raise LoadFailed(f"request {job.request_id}: promised {job.tokens} tokens whose KV is gone")
+            try:
+                self.core.load_now(load, stream)
+            finally:
+                if load.extra.get("entry") is not None:
+                    self.shared.stage.drop(load.extra["entry"])  # in the blocks now: TensorRT-LLM's reuse tree has it
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
         return
@@ -129,51 +119,14 @@ class KVCodecWorker(_WorkerBase):
         return  # whole chunks are copied out after the forward, in wait_for_save
 
     def wait_for_save(self, stream: Any = None) -> None:
-        meta = self.get_connector_meta()
-        saves = getattr(meta, "saves", ())
-        if not saves or self.queue is None:
-            return
-        for job in saves:
-            keys, replace = job.extra["keys"], job.extra.get("replace", frozenset())
-            for (index, start, end), chunk_keys in zip(job.chunks, keys, strict=True):
-                t0 = time.perf_counter()
-                copy = _HostCopy(self.pages.read(job.block_ids, start, end - start))  # on the step's stream
-                self.counters["save_copy_s"] += time.perf_counter() - t0
-                if self.queue.offer((chunk_keys, index, start, copy, replace)):
-                    self.counters["saved_chunks"] += 1
-                else:
-                    self.counters["dropped_chunks"] += 1
-                    log.warning("request %s: write-back queue full, chunk %d dropped", job.request_id, index)
+        saves = getattr(self.get_connector_meta(), "saves", ())
+        if saves and self.sink is not None:
+            self.core.save(saves, lambda job: self.sink.for_prompt(job.extra["ids"]), stream)
 
     def get_finished(self, finished_gen_req_ids: Sequence[int],
                      started_loading_req_ids: Sequence[int]) -> Tuple[List[int], List[int]]:
-        self._started.update(int(r) for r in started_loading_req_ids)
-        loaded = []
-        for rid in sorted(self._started):
-            session = self.loads.get(rid)
-            if session is not None and not session.loaded:
-                continue  # the copy is still running
-            self._started.discard(rid)
-            loaded.append(rid)
-            if session is None:
-                continue
-            self.loads.pop(rid)
-            start, end = session.span
-            self.counters["loads"] += 1
-            self.counters["loaded_tokens"] += session.loaded_tokens - start
-            if session.loaded_tokens < end:
-                self.counters["short_loads"] += 1
-                log.error("request %s: loaded %d of %d promised tokens (%s): TensorRT-LLM cannot be told",
-                          rid, session.loaded_tokens - start, end - start, session.reason or "copy failed")
-        return [], loaded
-
-    # -- helpers -----------------------------------------------------------------------------------
-    def _save(self, job) -> None:
-        keys, index, start, copy, replace = job
-        self.saver.save(keys, index, start, copy.get(), replace)
+        return [], []  # every load is synchronous (start_load_kv): none is ever parked
 
     def close(self) -> None:
-        if self.queue is not None:
-            self.queue.close(timeout_s=30)
-        if self.store is not None:
-            self.store.close()
+        if self.sink is not None:
+            self.sink.close()

@@ -34,10 +34,11 @@ import threading
 import time
 import uuid
 from dataclasses import replace
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, Optional, Sequence
 
 import numpy as np
 
+from ..connector.sink import sink_for_settings
 from ..errors import BadRequest, Unsupported
 from . import ModelCard, model_files
 
@@ -138,7 +139,7 @@ class VllmEngine(model_files.EngineFiles):
         self._streams: Dict[str, tuple] = {}  # request id -> (its queue, whether it wants its whole output)
         self._ids = itertools.count()
         self._stop = threading.Event()
-        self.writeback = _WriteBack(settings, self.card) if settings.writeback else None
+        self.writeback = sink_for_settings(settings, self.card)
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -149,16 +150,18 @@ class VllmEngine(model_files.EngineFiles):
             raise BadRequest("prompt is empty")
         if past_kv is not None and past_kv.shape[3] >= len(ids):
             raise BadRequest("restored KV covers the whole prompt; at least one token must be computed")
-        save = None
-        if self.writeback is not None:
-            save = self.writeback.sink(list(ids))
+        save = self.writeback.for_prompt(list(ids)) if self.writeback is not None else None
         yield from self._run(ids, max_tokens, load if load is not None else past_kv, save, report)
 
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]:
         if chunk_tokens != self.chunk_tokens:
             raise Unsupported(f"the vllm engine saves chunks of {self.chunk_tokens} tokens, asked for {chunk_tokens}")
         chunks: Dict[int, np.ndarray] = {}
-        for _ in self._run(ids, 1, None, lambda index, start, kv: chunks.__setitem__(index, kv), None):
+
+        def capture(saved) -> None:
+            chunks.update((index, kv.get()) for index, _, kv in saved)
+
+        for _ in self._run(ids, 1, None, capture, None):
             pass
         for index in range(len(ids) // chunk_tokens):
             yield chunks[index]
@@ -196,7 +199,7 @@ class VllmEngine(model_files.EngineFiles):
         return int(self._engine.vllm_config.cache_config.block_size)
 
     def writeback_stats(self) -> Optional[dict]:
-        """The write-back queue's counts (``connector.WriteBack.stats``), None without write-back."""
+        """The write-back sink's counts (``connector.WriteBack.stats``), None without write-back."""
         return self.writeback.stats() if self.writeback is not None else None
 
     def close(self) -> None:
@@ -294,33 +297,3 @@ class VllmEngine(model_files.EngineFiles):
                 if output.finished:
                     out.put(None)
                     del self._streams[output.request_id]
-
-
-class _WriteBack:
-    """Save after a miss: the full chunks the engine computed, encoded at the write-back rungs and
-    stored under the prompt's keys (``connector.ChunkSaver``), on ``connector.WriteBack``'s
-    background thread."""
-
-    def __init__(self, settings, card: ModelCard) -> None:
-        from ..connector import ChunkSaver, WriteBack
-        from ..format.auth import load_auth
-        from ..format.ladder import parse_ladder
-        from ..store import open_store
-
-        self.store = open_store(settings.store)
-        self.saver = ChunkSaver(self.store, card.model_id, parse_ladder(list(settings.writeback), card),
-                                settings.chunk_tokens, auth=load_auth(settings.key_file))
-        self.queue = WriteBack(self.saver.save_job, max_pending=8, name="kv-writeback")
-
-    def sink(self, ids: List[int]):
-        def save(index: int, start: int, kv: np.ndarray) -> None:
-            self.queue.offer((self.saver.keys(ids, index), index, start, kv))
-
-        return save
-
-    def stats(self) -> dict:
-        return self.queue.stats()
-
-    def close(self) -> None:
-        self.queue.close(timeout_s=30)
-        self.store.close()

@@ -19,7 +19,7 @@ and fed to the store's circuit breaker (``serving.breaker``).
 The breaker hears every call that ends with an answer (success, a miss too), every
 ``StoreUnavailable`` (failure), and one failure per ``wait`` that timed out; calls abandoned by their
 request are not heard when they end (their request already counted them). Each time it opens, the
-store's ``drop_connections()`` is called, where the store has one (HTTP): connections made during a
+store's ``drop_connections()`` is called (it matters to network stores): connections made during a
 sick spell are not reused once the store heals.
 """
 from __future__ import annotations
@@ -100,9 +100,7 @@ class StoreCalls:
         else:
             self.breaker.failure(error)
         if self.breaker.opened != opened:
-            drop = getattr(self.store, "drop_connections", None)
-            if drop is not None:
-                drop()
+            self.store.drop_connections()
 
     def wait(self, futures: Sequence[Future], at: Optional[float], what: str) -> List[Any]:
         out = []

@@ -38,7 +38,7 @@ STATS_WAIT_S = 5.0  # at the first token, how long to wait for the infos of chun
 def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assembled, Chunks]) -> Iterator[Event]:
     load = None
     if isinstance(source, Chunks):
-        if getattr(engine, "streams_loads", False):
+        if engine.streams_loads:
             load = source
         else:
             source.wait_complete()

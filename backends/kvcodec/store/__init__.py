@@ -78,6 +78,9 @@ class KVStore:
     def close(self) -> None:
         pass
 
+    def drop_connections(self) -> None:
+        """Connections made until now are not reused (network stores; nothing to do for the others)."""
+
     def __enter__(self) -> "KVStore":
         return self
 

@@ -60,10 +60,10 @@ class TritonPythonModel:
         self.engine = open_engine(self.settings)
         self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)
         self.assembler = Assembler()
-        self.streams = bool(getattr(self.engine, "streams_loads", False)) and self.settings.stream_loads
+        self.streams = self.engine.streams_loads and self.settings.stream_loads
         self.metrics = _Metrics()
         self.pb_lock = threading.Lock()  # one thread at a time in pb_utils (see the module's docstring)
-        self.workers = ThreadPoolExecutor(max_workers=max(1, int(getattr(self.engine, "max_concurrency", 1))),
+        self.workers = ThreadPoolExecutor(max_workers=max(1, int(self.engine.max_concurrency)),
                                           thread_name_prefix="llm")
 
     def execute(self, requests):
@@ -140,9 +140,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.workers.shutdown(wait=True, cancel_futures=True)
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 def _size(value) -> int:
     return int(value.size if isinstance(value, np.ndarray) else value.numel())
 
@@ -194,8 +192,7 @@ class _Metrics:
         self._save_increments = Increments()
 
     def writeback(self, engine):
-        stats_fn = getattr(engine, "writeback_stats", None)
-        stats = stats_fn() if stats_fn is not None else None
+        stats = engine.writeback_stats()
         if not stats:
             return
         for state, n in self._save_increments.since(stats).items():
