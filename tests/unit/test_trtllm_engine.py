@@ -133,6 +133,32 @@ def test_the_request_is_promised_its_staged_chunks_in_process(engine):
     np.testing.assert_array_equal(pages.read(blocks, 0, 192).numpy(), kv)  # the blocks hold the restored KV
 
 
+def test_the_request_is_taken_at_its_first_chunk_and_the_chunks_that_follow_are_loaded(engine):
+    """``streams_loads``: the llm step hands the request over with one chunk in; the engine waits for the
+    rest off TensorRT-LLM's executor (nothing submitted yet), then stages and promises all of them."""
+    import threading
+
+    llm = FakeLLM.instances[-1]
+    ids = list(range(3000, 3200))
+    kv = (np.random.default_rng(1).integers(-512, 512, (L, 2, H, 192, D)) / 16).astype(np.float16)
+    session = LoadSession(64, 3)
+    session.put(0, kv[:, :, :, :64])
+    report: dict = {}
+    out: list = []
+    worker = threading.Thread(target=lambda: out.extend(engine.stream(ids, 2, report=report, load=session)))
+    worker.start()
+    time.sleep(0.3)
+    assert llm.next_id == 0 and worker.is_alive()  # not yet given to TensorRT-LLM: chunks still coming
+    session.put(1, kv[:, :, :, 64:128])
+    session.put(2, kv[:, :, :, 128:])
+    worker.join(10)
+    assert out == [100, 101] and report == {"staged_tokens": 192, "reused_tokens": 192}
+    from kvcodec.connector import KVPages
+
+    blocks, _ = llm.blocks[1]
+    np.testing.assert_array_equal(KVPages.from_trtllm(llm.pool, L, H, BS, D).read(blocks, 0, 192).numpy(), kv)
+
+
 def test_a_request_whose_first_chunk_failed_is_promised_nothing(engine):
     session = LoadSession(64, 3)
     session.fail(0, "corrupt: bad tag")
