@@ -24,7 +24,8 @@ def load_step(monkeypatch, step: str, tensor=None) -> types.ModuleType:
     fake.TritonError = lambda message, code=None: types.SimpleNamespace(message=message, code=code)
     fake.get_input_tensor_by_name = lambda request, name: request.get(name)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
-    monkeypatch.delitem(sys.modules, "kvcodec.triton", raising=False)
+    for name in ("kvcodec.triton", "kvcodec.triton.metrics"):  # re-imported against the stand-in
+        monkeypatch.delitem(sys.modules, name, raising=False)
     spec = importlib.util.spec_from_file_location(f"{step}_model", REPOSITORY / step / "1" / "model.py")
     fake.model = importlib.util.module_from_spec(spec)
     return fake

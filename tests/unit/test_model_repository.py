@@ -373,6 +373,7 @@ def llm_step(monkeypatch):
 
     yield load_step(monkeypatch, "llm")
     sys.modules.pop("kvcodec.triton", None)
+    sys.modules.pop("kvcodec.triton.metrics", None)
 
 
 @pytest.mark.parametrize("groups, want", [

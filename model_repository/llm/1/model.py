@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from kvcodec.connector.writeback import COUNTS, Increments
 from kvcodec.engines import open_engine
 from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.serving.assemble import Assembler
@@ -46,6 +45,7 @@ from kvcodec.triton import (
     tensor,
     text_tensor,
 )
+from kvcodec.triton.metrics import LlmMetrics
 
 log = logging.getLogger("kvcodec.llm")
 
@@ -61,7 +61,7 @@ class TritonPythonModel:
         self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)
         self.assembler = Assembler()
         self.streams = self.engine.streams_loads and self.settings.stream_loads
-        self.metrics = _Metrics()
+        self.metrics = LlmMetrics()
         self.pb_lock = threading.Lock()  # one thread at a time in pb_utils (see the module's docstring)
         self.workers = ThreadPoolExecutor(max_workers=max(1, int(self.engine.max_concurrency)),
                                           thread_name_prefix="llm")
@@ -150,72 +150,3 @@ def _safely(fn, *args):
         fn(*args)
     except OSError:  # a cost file we cannot write only makes the fetcher's estimates staler
         pass
-
-
-SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-
-
-class _Metrics:
-    """Prometheus metrics on the server's metrics endpoint: requests by outcome and by why reuse
-    stopped, reused tokens, fetched bytes, and histograms of each request's TTFT (server side) and
-    of its fetch, decode and restore seconds; the engine's write-back counts by state and the jobs
-    pending, brought up to date at the end of each request (docs/operations.md, "Metrics")."""
-
-    def __init__(self):
-        counter = pb_utils.MetricFamily.COUNTER
-        histogram = pb_utils.MetricFamily.HISTOGRAM
-        self.misses = pb_utils.MetricFamily("kvcodec_misses_total", "Requests whose reuse stopped short, by reason",
-                                            counter)
-        self._by_reason = {}
-        self._seconds = {}
-        for name, what in (("ttft", "Server time to first token"), ("fetch", "Store read seconds of a request"),
-                           ("decode", "Decode seconds of a request"), ("restore", "Restore seconds of a request")):
-            family = pb_utils.MetricFamily(f"kvcodec_{name}_seconds", what, histogram)
-            self._seconds[name] = (family, family.Metric(labels={}, buckets=SECONDS_BUCKETS))
-        self.requests = pb_utils.MetricFamily("kvcodec_requests_total", "Requests answered, by outcome", counter)
-        self.tokens = pb_utils.MetricFamily("kvcodec_reused_tokens_total", "Prompt tokens served from stored KV",
-                                            counter)
-        self.bytes = pb_utils.MetricFamily("kvcodec_fetched_bytes_total", "KV chunk bytes fetched", counter)
-        self._by_outcome = {}
-        # a MetricFamily must outlive its metrics (a deleted family fails their updates): each is kept
-        self.cancels = pb_utils.MetricFamily("kvcodec_cancelled_total",
-                                             "Requests whose client went away before the last token", counter)
-        self._cancelled = self.cancels.Metric(labels={})
-        self._tokens = self.tokens.Metric(labels={})
-        self._bytes = self.bytes.Metric(labels={})
-        self.saves = pb_utils.MetricFamily("kvcodec_writeback_total", "Write-back jobs after a miss, by state "
-                                           "(queued, stored, dropped: queue full, failed: the store refused)", counter)
-        self._saves = {state: self.saves.Metric(labels={"state": state}) for state in COUNTS}
-        self.pending = pb_utils.MetricFamily("kvcodec_writeback_pending", "Write-back jobs waiting or running",
-                                             pb_utils.MetricFamily.GAUGE)
-        self._pending = self.pending.Metric(labels={})
-        self._save_increments = Increments()
-
-    def writeback(self, engine):
-        stats = engine.writeback_stats()
-        if not stats:
-            return
-        for state, n in self._save_increments.since(stats).items():
-            if n:
-                self._saves[state].increment(n)
-        self._pending.set(float(stats.get("pending", 0)))
-
-    def cancelled(self):
-        self._cancelled.increment(1)
-
-    def record(self, stats):
-        outcome = stats.outcome
-        if outcome not in self._by_outcome:
-            self._by_outcome[outcome] = self.requests.Metric(labels={"outcome": outcome})
-        self._by_outcome[outcome].increment(1)
-        self._tokens.increment(int(stats.reused_tokens))
-        self._bytes.increment(int(stats.bytes_fetched))
-        reason = stats.miss_status
-        if reason:
-            if reason not in self._by_reason:
-                self._by_reason[reason] = self.misses.Metric(labels={"reason": reason})
-            self._by_reason[reason].increment(1)
-        for name, value in (("ttft", stats.server_ttft_s), ("fetch", stats.fetch_s), ("decode", stats.decode_s),
-                            ("restore", stats.restore_s)):
-            if value is not None:
-                self._seconds[name][1].observe(float(value))
