@@ -66,7 +66,7 @@ def test_a_chunk_that_fails_after_the_promise_names_every_block_past_the_good_pr
     session.put(1, full[:, :, :, C:2 * C])
     session.put(3, full[:, :, :, 3 * C:])  # after the failure: not loaded
     assert session.settled and session.loaded
-    assert session.loaded_tokens == 2 * C and session.usable_tokens == 2 * C
+    assert session.loaded_tokens == 2 * C and session.staged_tokens == 2 * C
     assert session.failed_block_ids() == [4, 5, 6, 7]  # the engine must recompute these, never reuse them
     assert "chunk 2: corrupt" in session.reason
     np.testing.assert_array_equal(session.past_kv(), full[:, :, :, :2 * C])
@@ -106,7 +106,7 @@ def test_a_session_of_kv_in_hand_is_settled_and_keeps_mixed_dtypes_exact():
     past = session.past_kv()
     assert past.dtype == np.float32 and np.array_equal(past[:, :, :, :C], a.astype(np.float32))
     whole = LoadSession.of(kv(3 * C - 8), C)
-    assert whole.settled and whole.usable_tokens == 3 * C - 8 and whole.n_chunks == 3
+    assert whole.settled and whole.staged_tokens == 3 * C - 8 and whole.n_chunks == 3
     with pytest.raises(ValueError, match="already given"):
         session.put(0, a)
     with pytest.raises(ValueError, match="outside"):

@@ -15,7 +15,7 @@ can take the request at once and load the chunks while later ones are still on t
   prefix: block-aligned when short of the plan), ``failed_block_ids()`` (the attached blocks past
   it: an engine that was promised them must recompute them, never reuse them);
 - either side: ``settled`` (the usable prefix is final: every chunk before the first failure is in),
-  ``wait_settled(timeout_s)``, ``bound_tokens`` (the most that can become usable), ``staged_tokens`` (the leading run kept so far), ``usable_tokens``,
+  ``wait_settled(timeout_s)``, ``bound_tokens`` (the most that can become usable), ``staged_tokens`` (the leading run kept so far: what can be used, final once ``settled``),
   ``reason`` and ``past_kv(host=False)`` (the leading run as one array, for dense engines and
   synchronous loads; ``host=True``: as numpy in host memory).
 
@@ -132,11 +132,6 @@ class LoadSession:
         """At most this many tokens can become usable: the plan, cut at the first failed chunk."""
         with self._cond:
             return min(self.planned_tokens, min(self._failed, default=self.n_chunks) * self.chunk_tokens)
-
-    @property
-    def usable_tokens(self) -> int:
-        """The leading run's tokens; final once ``settled``."""
-        return self.staged_tokens
 
     @property
     def reason(self) -> str:

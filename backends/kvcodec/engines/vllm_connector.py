@@ -105,7 +105,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         settled = session is None or session.settled
         if not settled and offer.defer and session.bound_tokens:
             return None, False  # vLLM keeps the request waiting and asks again at its next step
-        stored = 0 if session is None else (session.usable_tokens if settled else session.bound_tokens)
+        stored = 0 if session is None else (session.staged_tokens if settled else session.bound_tokens)
         save = {"given": given} if offer.save is not None else None
         n = self.core.match(request.request_id, prompt, stored, num_computed_tokens, session,
                             asynchronous=not settled, save=save, chunk_tokens=offer.chunk_tokens, given=given)

@@ -75,7 +75,7 @@ class Chunks:
             reused += info.tokens
         if not reason and len(ordered) < self.count:
             reason = f"chunk {len(ordered)}: missing"
-        reused = min(reused, self.session.usable_tokens)
+        reused = min(reused, self.session.staged_tokens)
         past = self.session.past_kv(host=True) if with_kv and reused else None
         return Assembled(None if past is None else past[:, :, :, :reused], ordered, reused, reason)
 
