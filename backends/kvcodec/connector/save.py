@@ -69,10 +69,6 @@ class SaveTracker(Generic[R]):
         else:
             job.block_ids.extend(int(b) for b in block_ids)
 
-    def has_blocks(self, rid: R) -> bool:
-        job = self._jobs.get(rid)
-        return bool(job and job.block_ids)
-
     def step(self, rid: R, computed_after_step: int) -> Optional[SaveJob]:
         job = self._jobs.get(rid)
         if job is None or computed_after_step < job.chunks[-1][2]:

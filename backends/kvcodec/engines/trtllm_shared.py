@@ -73,9 +73,10 @@ def fits(kv: Any, card, pages: Optional[KVPages]) -> bool:
     import torch
 
     want = (card.layers, 2, card.kv_heads, card.head_dim)
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != want:
+    if not isinstance(kv, torch.Tensor) or pages is None or kv.dtype != pages.dtype \
+            or kv.device != pages.views[0][0].device:
+        return False  # not in the pool's dtype and device (``to_pool`` puts it there): the copy could still fail
+    if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != want:
         log.error("staged KV of shape %s does not fit model %s: not promised", tuple(kv.shape), card.name)
         return False
-    if pages is None or kv.dtype != pages.dtype or kv.device != pages.views[0][0].device:
-        return False  # not in the pool's dtype and device: the copy could still fail
     return True
