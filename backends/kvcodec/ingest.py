@@ -93,13 +93,13 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
         fp16, jobs = pending.popleft()
         for s, key, job in jobs:
             data, encode_s, decode_s = job.result()
-            store.put(key, data)
             rung = report.rungs[rung_name(s)]
             rung.encode_s += encode_s
             rung.decode_s += decode_s
-            rung.written += 1
-            rung.bytes_written += len(data)
-            rung.fp16_bytes += fp16
+            if store.put(key, data):  # False: another writer stored this chunk meanwhile (its copy stays)
+                rung.written += 1
+                rung.bytes_written += len(data)
+                rung.fp16_bytes += fp16
             if costs is not None:
                 costs.observe_rung(s.identity, chunk_tokens, len(data), decode_s)
         if progress:

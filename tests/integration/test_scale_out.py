@@ -3,8 +3,8 @@ model) on one shared store (SeaweedFS S3, a 3-node Redis Cluster) behind the ngi
 (round-robin over their HTTP and gRPC ports).
 
 Ingest through one (A's miss writes the prompt's chunks back), reuse through the other; both
-write back the same new prefix at once (S3's conditional create / Redis SET NX leave every chunk
-whole); answers equal prefill's, through the balancer over gRPC and HTTP; the balancer spreads
+write back the same new prefix at once (each chunk stored once: S3's conditional create / Redis SET
+NX refuse the second copy, and it is whole); answers equal prefill's, through the balancer over gRPC and HTTP; the balancer spreads
 requests over both servers. Runs in ``.venv-vllm`` (``make test-vllm``).
 """
 from __future__ import annotations
@@ -117,19 +117,46 @@ def test_ingest_through_one_reuse_through_the_other(deployment, tokenizer):
     assert second.tokens == prefill.tokens == first.tokens
 
 
+def chunk_outcomes(servers, tokenizer) -> dict:
+    """``kvcodec_writeback_chunks_total`` summed over ``servers`` by outcome (written, present), after
+    a request shorter than a chunk to each (metrics are brought up to date as a request ends)."""
+    short = tokenizer.encode("# a line")
+    out = {"written": 0.0, "present": 0.0}
+    for srv in servers:
+        KVCodecClient(srv.grpc_url, "grpc").generate(short, 1, reuse=False)
+        values = metric_values(f"http://127.0.0.1:{srv.ports.metrics}/metrics", "kvcodec_writeback_chunks_total")
+        for name, value in values.items():
+            for outcome in out:
+                if f'outcome="{outcome}"' in name:
+                    out[outcome] += value
+    return out
+
+
 def test_both_write_back_the_same_prefix_at_once(deployment, tokenizer):
+    """Both servers miss on one prompt at once and write its chunks back: every chunk is stored
+    once across the two (the store's create refuses, or the look before encoding finds, the other's
+    copy: ``written`` adds up to the chunk count, not twice it), whole and verifying."""
     url, (a, b), balancer, (sa, sb) = deployment
     ids = tokenizer.encode(text_of(tokenizer, "textwrap.py", 540) + QUESTION)
     keys = keys_of(sa, ids)
+    before = chunk_outcomes((a, b), tokenizer)
     with ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda srv: KVCodecClient(srv.grpc_url, "grpc").generate(ids, MAX_TOKENS, reuse=True),
                                 (a, b)))
     assert [r.reused_tokens for r in answers] == [0, 0]
+    assert [r.stats["engine"]["saved_chunks"] for r in answers] == [len(keys)] * 2
     assert answers[0].tokens == answers[1].tokens
     auth = load_auth(sa.key_file, env={})
     with open_store(url) as store:
         wait_stored(store, keys)
-        time.sleep(1.0)  # the slower server's write lands (or is refused) too
+        deadline = time.monotonic() + 60
+        while True:  # until both servers' write-back has handled every chunk
+            now = chunk_outcomes((a, b), tokenizer)
+            done = {k: now[k] - before[k] for k in now}
+            if done["written"] + done["present"] >= 2 * len(keys) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert done == {"written": len(keys), "present": len(keys)}, done
         for key in keys:  # each chunk whole: parses, verifies with the shared key
             parsed = container.parse(store.get(key), auth)
             assert parsed.header, key

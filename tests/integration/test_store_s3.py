@@ -132,17 +132,17 @@ def test_two_writers_of_one_chunk_both_succeed_and_one_value_is_stored_whole(aws
 
 @pytest.mark.timeout(30)
 def test_a_second_put_is_refused_by_the_server_not_stored_again(s3):
-    s3.put(KEY, b"first writer")
+    assert s3.put(KEY, b"first writer") is True
     client = s3._s3()
     before = client.head_object(Bucket=s3.bucket, Key=s3._name(KEY))
     time.sleep(1.1)  # LastModified has a resolution of one second
-    s3.put(KEY, b"second writer")  # no error: the chunk is stored
+    assert s3.put(KEY, b"second writer") is False  # no error: the key is taken, the first copy stays
     after = client.head_object(Bucket=s3.bucket, Key=s3._name(KEY))
     assert s3.get(KEY) == b"first writer"
     assert (after["ETag"], after["LastModified"]) == (before["ETag"], before["LastModified"])
-    s3.delete(KEY)
-    s3.put(KEY, b"after a delete")  # delete, then put: how a stored chunk is replaced
-    assert s3.get(KEY) == b"after a delete"
+    assert s3.conditional  # the server refused it (If-None-Match), not a look before the put
+    assert s3.put(KEY, b"replaced", overwrite=True) is True  # how a corrupt stored chunk is replaced
+    assert s3.get(KEY) == b"replaced"
 
 
 @pytest.mark.timeout(30)

@@ -160,6 +160,47 @@ def test_a_6_mb_value_round_trips_and_ranges(store):
     assert store.get_range(KEY, len(BIG) - 5, len(BIG) + 5) == BIG[-5:]
 
 
+@pytest.mark.timeout(30)
+def test_put_creates_and_keeps_the_first_writers_value(store):
+    assert store.put(KEY, b"first") is True
+    assert store.put(KEY, b"second") is False  # taken: refused, the stored value stays
+    assert store.get(KEY) == b"first"
+    assert store.put(KEY, b"third", overwrite=True) is True
+    assert store.get(KEY) == b"third"
+
+
+@pytest.mark.timeout(60)
+def test_writers_racing_for_one_key(served):
+    """Eight writers create one key at once: where the server creates atomically (Redis SET NX, S3
+    If-None-Match) exactly one wins and its value is the one stored; nginx checks, then writes, so
+    more than one may win, but the stored value is always one writer's, whole."""
+    srv, store = served
+    values = [bytes([65 + i]) * (256 << 10) for i in range(8)]
+    gate = threading.Barrier(len(values))
+    stores = [HttpStore(srv.url, token=TOKEN) if isinstance(store, HttpStore) else open_store(srv.url)
+              for _ in values]
+    won = [None] * len(values)
+
+    def write(i):
+        gate.wait(10)
+        won[i] = stores[i].put(KEY, values[i])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(values))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for s in stores:
+        s.close()
+    stored = store.get(KEY)
+    winners = [i for i, w in enumerate(won) if w]
+    assert None not in won and winners, won
+    assert stored in [values[i] for i in winners]
+    atomic = not isinstance(store, HttpStore) and getattr(store, "conditional", True)
+    if atomic:
+        assert len(winners) == 1, won
+
+
 @pytest.mark.timeout(60)
 def test_overwrite_is_seen_whole(served):
     """A reader never sees a mix of an old and a new value while a writer keeps overwriting it."""
@@ -177,7 +218,7 @@ def test_overwrite_is_seen_whole(served):
     t.start()
     try:
         for i in range(8):
-            store.put(KEY, new if i % 2 == 0 else old)
+            store.put(KEY, new if i % 2 == 0 else old, overwrite=True)
     finally:
         stop.set()
         t.join(30)
@@ -219,7 +260,7 @@ def test_http_writes_need_the_token(nginx, monkeypatch):
     assert writer.get(KEY) == b"original" and writer.get(KEY[:-1] + "3") is None
     monkeypatch.setenv("KVCODEC_STORE_TOKEN", TOKEN)
     with open_store(nginx.url) as from_env:
-        from_env.put(KEY, b"written with the token from the environment")
+        from_env.put(KEY, b"written with the token from the environment", overwrite=True)
     assert writer.get(KEY) == b"written with the token from the environment"
     writer.delete(KEY)
     writer.close()
@@ -295,6 +336,6 @@ def test_a_server_that_goes_down_is_store_unavailable_then_back(kind, tmp_path):
     with pytest.raises(StoreUnavailable):
         s.exists(KEY)
     with srv:  # the same store object works again once the server is back
-        s.put(KEY, b"after")
+        s.put(KEY, b"after", overwrite=True)  # nginx keeps its files over a restart
         assert s.get(KEY) == b"after"
     s.close()

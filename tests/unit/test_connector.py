@@ -280,7 +280,11 @@ def test_writeback_counts_become_metric_increments_summed_over_queues():
         {"queued": 2, "stored": 0, "dropped": 0, "failed": 2}  # two puts the store refused
     assert inc.since({"queued": 1, "stored": 1, "dropped": 0, "failed": 0})["queued"] == 1  # a new queue
     both = merged([{"queued": 2, "failed": 1, "pending": 1, "busy_s": 0.5}, {"queued": 1, "stored": 1}])
-    assert both == {"queued": 3, "stored": 1, "dropped": 0, "failed": 1, "pending": 1, "busy_s": 0.5}
+    assert both == {"queued": 3, "stored": 1, "dropped": 0, "failed": 1, "written": 0, "present": 0,
+                    "pending": 1, "busy_s": 0.5}
+    chunks = Increments(("written", "present"))  # the sink's chunk copies, kvcodec_writeback_chunks_total
+    assert chunks.since({"queued": 9, "written": 2, "present": 1}) == {"written": 2, "present": 1}
+    assert chunks.since({"written": 2, "present": 4}) == {"written": 0, "present": 3}
 
 
 # -- lookup ----------------------------------------------------------------------------------

@@ -148,10 +148,13 @@ class RecordingStore:
     def exists(self, key):
         return key in self.data
 
-    def put(self, key, data):
+    def put(self, key, data, overwrite=False):
         with self.lock:
+            if key in self.data and not overwrite:
+                return False
             self.data[key] = bytes(data)
             self.order.append(key)
+            return True
 
 
 class Overlap:

@@ -139,8 +139,10 @@ def test_chunk_saver_stores_each_rung_once_and_replaces_a_corrupt_copy(tmp_path)
     assert sink.flush(30) and sink.stats()["stored"] == 1
     restored = restore(ChunkDecoder("m", auth=auth).decode(store.get(keys[0]), key=keys[0]))
     np.testing.assert_array_equal(restored, chunk)  # raw: exact, keys computed by the sink from the ids
-    assert saver.save(keys, 1, C, chunk) == 0  # present: not written again
-    store.put(keys[1], b"garbage")
+    assert sink.stats()["written"] == 2 and sink.stats()["present"] == 0
+    again = saver.save(keys, 1, C, chunk)
+    assert (again.written, again.present) == (0, 2)  # present: not written again
+    store.put(keys[1], b"garbage", overwrite=True)
     sink.corrupt.add(keys[1])  # a reader found it corrupt: the next save replaces it
     assert sink.for_prompt(ids)([(1, C, chunk)]) == 1 and sink.flush(30)
     assert store.get(keys[1]) != b"garbage" and keys[1] not in sink.corrupt

@@ -286,7 +286,7 @@ def test_a_corrupted_chunk_is_a_miss_from_that_chunk_on(memory_store, context, e
     keys = ingest(memory_store, encoded, "int8-zstd")
     bad = bytearray(memory_store.get(keys[1]))
     bad[-5 if where == "payload" else 20] ^= 0x04
-    memory_store.put(keys[1], bytes(bad))
+    memory_store.put(keys[1], bytes(bad), overwrite=True)
     restored = through_steps(fetcher(memory_store).fetch(ids, "s"))
     assert [i.status for i, _ in restored] == ["ok", "corrupt", "ok"]
     done = assemble(restored)
@@ -300,7 +300,7 @@ def test_a_corrupted_chunk_is_a_miss_from_that_chunk_on(memory_store, context, e
 def test_a_chunk_under_the_wrong_key_is_foreign(memory_store, context, encoded):
     ids, _ = context
     keys = ingest(memory_store, encoded, "int8-zstd")
-    memory_store.put(keys[1], memory_store.get(keys[0]))
+    memory_store.put(keys[1], memory_store.get(keys[0]), overwrite=True)
     restored = through_steps(fetcher(memory_store).fetch(ids, "s"))
     assert [i.status for i, _ in restored] == ["ok", "foreign", "ok"]
     assert "key" in restored[1][0].reason
@@ -312,7 +312,7 @@ def test_a_chunk_of_the_wrong_length_is_foreign(memory_store, context, encoded):
     ids, kv = context
     keys = ingest(memory_store, encoded, "int8-zstd")
     short = ChunkEncoder(get_scheme("int8-zstd"), MODEL, auth=AUTH).encode(kv[:, :, :, CHUNK:CHUNK + 128], keys[1], 1, CHUNK)
-    memory_store.put(keys[1], short)
+    memory_store.put(keys[1], short, overwrite=True)
     restored = through_steps(fetcher(memory_store).fetch(ids, "s"))
     assert restored[1][0].status == "foreign" and "128 tokens" in restored[1][0].reason
     assert assemble(restored).reused_tokens == CHUNK

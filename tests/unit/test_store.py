@@ -1,6 +1,7 @@
 """KV stores (kvcodec.store): the same contract for the filesystem and the in-memory backend."""
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -40,10 +41,30 @@ def test_put_get_exists_delete(store):
     store.delete(KEY)  # deleting what is not there is fine
 
 
-def test_put_overwrites(store):
-    store.put(KEY, b"old value, longer than the new one")
-    store.put(KEY, b"new")
+def test_put_creates_and_overwrite_replaces(store):
+    assert store.put(KEY, b"old value, longer than the new one") is True
+    assert store.put(KEY, b"new") is False  # a create: the first writer's value stays
+    assert store.get(KEY) == b"old value, longer than the new one"
+    assert store.put(KEY, b"new", overwrite=True) is True
     assert store.get(KEY) == b"new"
+
+
+def test_writers_racing_for_one_key_leave_exactly_one_winner(store):
+    values = [bytes([65 + i]) * (64 << 10) for i in range(8)]
+    gate = threading.Barrier(len(values))
+    won = [None] * len(values)
+
+    def write(i):
+        gate.wait(10)
+        won[i] = store.put(KEY, values[i])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(values))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert won.count(True) == 1 and won.count(False) == len(values) - 1, won
+    assert store.get(KEY) == values[won.index(True)]
 
 
 def test_keys_are_independent(store):
@@ -100,8 +121,11 @@ def test_file_store_failed_put_raises_unavailable_and_leaves_no_temp_file(tmp_pa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(fs.os, "replace", refuse)
+    monkeypatch.setattr(fs.os, "link", refuse)
     with pytest.raises(StoreUnavailable, match="No space left"):
         s.put(KEY, b"data")
+    with pytest.raises(StoreUnavailable, match="No space left"):
+        s.put(KEY, b"data", overwrite=True)
     monkeypatch.undo()
     assert s.get(KEY) is None
     leftovers = [p.name for p in root.rglob(".tmp-*")]

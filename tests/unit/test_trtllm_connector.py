@@ -546,7 +546,7 @@ def test_a_bad_middle_chunk_is_never_promised(store, replays, damage, tokens_per
     if damage == "corrupt":
         data = bytearray(store.get(keys[1]))
         data[-100] ^= 0x40  # in the payload: its digest no longer matches
-        store.put(keys[1], bytes(data))
+        store.put(keys[1], bytes(data), overwrite=True)
     else:
         store.delete(keys[1])
     replay = replays(config(store), store, tokens_per_block)
@@ -608,7 +608,7 @@ def test_save_after_a_miss_stores_the_chunks_the_pool_holds(store, replays, tmp_
     if damage == "missing":
         store.delete(lossy[1])
     else:
-        store.put(lossy[1], before[lossy[1]][:-1] + bytes([before[lossy[1]][-1] ^ 1]))
+        store.put(lossy[1], before[lossy[1]][:-1] + bytes([before[lossy[1]][-1] ^ 1]), overwrite=True)
     cfg = config(store, writeback=("int8-zstd", "raw"), tmp=tmp_path)
     replay = replays(cfg, store, 32, context_chunk=context_chunk)
     assert replay.add(FakeLlmRequest(8, DOC[:900])) == 0

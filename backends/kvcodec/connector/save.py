@@ -8,9 +8,9 @@
   ``SaveJob`` (and forgets it) in the step whose forward completes its last tracked chunk, else
   None; ``forget(rid)`` when the request ends. One request is tracked once (``track`` again is a
   no-op while it is tracked).
-- ``ChunkSaver``: encodes one chunk at each write-back rung, signs it and puts it, unless the store
-  holds it already (a key named in ``replace``, whose stored copy was found corrupt, is written
-  anyway). ``keys(ids, index)`` are the chunk's keys at each rung. Each thread gets its own encoders
+- ``ChunkSaver``: encodes one chunk at each write-back rung, signs it and puts it (a create, as
+  every store's ``put``), unless the store holds it already (a key named in ``replace``, whose
+  stored copy was found corrupt, is overwritten); ``save`` returns ``Saved(written, present)``. ``keys(ids, index)`` are the chunk's keys at each rung. Each thread gets its own encoders
   (an encoder holds a check decoder), so ingest may run several at once. ``encode(scheme, kv, key,
   index, start)`` returns ``(bytes, encode_s, check_decode_s)`` for callers that store themselves.
   Write-back runs it through ``connector.WriteBackSink`` (off the request's path).
@@ -114,17 +114,28 @@ class ChunkSaver:
         return data, time.perf_counter() - t, enc.last_decode_s
 
     def save(self, keys: Sequence[str], index: int, start: int, kv: np.ndarray,
-             replace: FrozenSet[str] = frozenset()) -> int:
-        """Store the chunk at every rung whose key the store lacks (or that ``replace`` names); the
-        count written."""
-        written = 0
+             replace: FrozenSet[str] = frozenset()) -> "Saved":
+        """Store the chunk at every rung whose key the store lacks (a create: a key another writer
+        stores meanwhile keeps that writer's copy), or that ``replace`` names (overwritten)."""
+        saved = Saved()
         for scheme, key in zip(self.schemes, keys, strict=True):
             if key not in replace and self.store.exists(key):
+                saved.present += 1
                 continue
             data, encode_s, _ = self.encode(scheme, kv, key, index, start)
-            if key in replace:
-                self.store.delete(key)  # a corrupt copy: a create-only store (S3's conditional put) keeps it else
-            self.store.put(key, data)
-            written += 1
-            log.info("write-back: chunk %d at %s (%d bytes) in %.2f s", index, rung_name(scheme), len(data), encode_s)
-        return written
+            if self.store.put(key, data, overwrite=key in replace):
+                saved.written += 1
+                log.info("write-back: chunk %d at %s (%d bytes) in %.2f s", index, rung_name(scheme), len(data),
+                         encode_s)
+            else:
+                saved.present += 1
+        return saved
+
+
+@dataclass
+class Saved:
+    """What one ``ChunkSaver.save`` did, per rung copy: ``written`` by this call, ``present``: another
+    writer's copy was there already (found before encoding, or refused by the store's create)."""
+
+    written: int = 0
+    present: int = 0

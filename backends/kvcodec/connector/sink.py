@@ -9,7 +9,9 @@
   chain over the prompt: never on the engine's step);
 - ``corrupt`` (a ``KeySet``, may be shared with a reader): keys whose stored copy was found corrupt;
   the next save of that chunk replaces it instead of keeping it (bounded, oldest forgotten first);
-- ``stats()`` (``WriteBack.stats``), ``flush(timeout_s)``, ``close(timeout_s=30)`` (also closes the
+- ``stats()``: ``WriteBack.stats`` (jobs) plus ``written`` (chunk copies, one per rung, this sink
+  stored) and ``present`` (copies another writer had stored first: seen before encoding, or
+  refused by the store's create), ``flush(timeout_s)``, ``close(timeout_s=30)`` (also closes the
   store when the sink opened it).
 
 ``open_sink(store_url, card, rungs, chunk_tokens, auth, max_pending=8)`` makes one from settings;
@@ -82,6 +84,8 @@ class WriteBackSink:
         self.queue = WriteBack(self._store, max_pending=max_pending, name=name)
         self._owns_store = owns_store
         self.corrupt = KeySet() if corrupt is None else corrupt
+        self._lock = threading.Lock()
+        self._written = self._present = 0  # rung copies: stored by this sink / found stored by another writer
 
     def for_prompt(self, ids: Sequence[int]):
         keys = _PromptKeys(self.saver, ids, len(ids) // self.saver.chunk_tokens)
@@ -96,12 +100,16 @@ class WriteBackSink:
         chunk_keys_ = keys.of(index)
         replace = frozenset(k for k in chunk_keys_ if k in self.corrupt)
         array = kv if isinstance(kv, np.ndarray) else kv.get()
-        self.saver.save(chunk_keys_, index, start, array, replace)
+        saved = self.saver.save(chunk_keys_, index, start, array, replace)
+        with self._lock:
+            self._written += saved.written
+            self._present += saved.present
         for k in replace:
             self.corrupt.discard(k)
 
     def stats(self) -> dict:
-        return self.queue.stats()
+        with self._lock:
+            return dict(self.queue.stats(), written=self._written, present=self._present)
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
         return self.queue.flush(timeout_s)

@@ -14,8 +14,9 @@ accepted job, in order (the caller builds one only if write-back is wanted):
   waits for it (False if it is still busy at the timeout).
 
 ``Increments`` turns successive ``stats()`` (summed over queues: ``merged``) into counter increments
-for the metrics endpoint (``kvcodec_writeback_total{state}``): a put refused by a full store is
-``failed`` there, never the request's error.
+for the metrics endpoint (``kvcodec_writeback_total{state}``; ``CHUNK_COUNTS`` for
+``kvcodec_writeback_chunks_total{outcome}``): a put refused by a full store is ``failed`` there,
+never the request's error.
 """
 from __future__ import annotations
 
@@ -91,11 +92,12 @@ class WriteBack:
 
 
 COUNTS = ("queued", "stored", "dropped", "failed")
+CHUNK_COUNTS = ("written", "present")  # WriteBackSink's, per chunk copy (one per rung)
 
 
 def merged(stats: Iterable[Dict[str, float]]) -> Dict[str, float]:
     """The sum of several queues' ``stats()``."""
-    out: Dict[str, float] = {k: 0 for k in (*COUNTS, "pending", "busy_s")}
+    out: Dict[str, float] = {k: 0 for k in (*COUNTS, *CHUNK_COUNTS, "pending", "busy_s")}
     for one in stats:
         for k in out:
             out[k] += one.get(k, 0)
@@ -103,15 +105,15 @@ def merged(stats: Iterable[Dict[str, float]]) -> Dict[str, float]:
 
 
 class Increments:
-    """``since(stats)``: how much each count of ``COUNTS`` grew since the last call (a count that
-    went down, a queue replaced, starts again from its new value)."""
+    """``since(stats)``: how much each count of ``names`` (default ``COUNTS``) grew since the last
+    call (a count that went down, a queue replaced, starts again from its new value)."""
 
-    def __init__(self) -> None:
-        self._last = {k: 0 for k in COUNTS}
+    def __init__(self, names: Iterable[str] = COUNTS) -> None:
+        self._last = {k: 0 for k in names}
 
     def since(self, stats: Dict[str, float]) -> Dict[str, int]:
         out = {}
-        for k in COUNTS:
+        for k in self._last:
             now = int(stats.get(k, 0))
             out[k] = now - self._last[k] if now >= self._last[k] else now
             self._last[k] = now

@@ -7,7 +7,13 @@ Redis and S3):
 - ``exists(key) -> bool``: cheap presence test;
 - ``get_range(key, start, end) -> bytes | None``: bytes ``[start, end)`` of the stored value (as
   ``get(key)[start:end]``: short or empty past the end), or ``None`` on a miss;
-- ``put(key, data)``: store atomically (a reader sees the old value, or the whole new one);
+- ``put(key, data, overwrite=False) -> bool``: a create: stores ``data`` only where the key is
+  absent and says whether it did (False: another writer stored the key first, and its value stays:
+  chunk keys name their content, so that is the same chunk). ``overwrite=True`` replaces what is
+  there (a stored copy found corrupt). Atomic: a reader sees no value, the old one or the whole
+  new one, never a torn one. Every backend creates the same way: the file store with a hard link
+  (``link(2)`` fails on an existing name), memory under a lock, Redis ``SET NX``, S3 ``PutObject``
+  with ``If-None-Match: *``, HTTP ``PUT`` with ``If-None-Match: *`` (412: taken);
 - ``delete(key)``: remove if present;
 - ``close()``: release connections;
 - ``scan() -> Iterator[Entry]``: every stored chunk as ``Entry(key, size, time)``, ``time`` the
@@ -66,7 +72,8 @@ class KVStore:
         data = self.get(key)
         return None if data is None else data[start:end]
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+        """Store ``data`` at ``key`` if absent (or always, with ``overwrite``); True when stored."""
         raise NotImplementedError
 
     def delete(self, key: str) -> None:

@@ -42,7 +42,9 @@ class FileStore(KVStore):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+        """Written to a temporary file, then renamed over the key (``overwrite``) or hard-linked to it
+        (a create: ``link`` fails on an existing name, so the first writer's file stays)."""
         path = self._path(key)
         tmp = None
         try:
@@ -50,14 +52,23 @@ class FileStore(KVStore):
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, path)
+            if overwrite:
+                os.replace(tmp, path)
+                tmp = None
+                return True
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
         except OSError as exc:
+            raise StoreUnavailable(f"cannot write {key}: {exc.strerror}") from None
+        finally:
             if tmp is not None:
                 try:
                     os.unlink(tmp)
                 except OSError:
                     pass
-            raise StoreUnavailable(f"cannot write {key}: {exc.strerror}") from None
 
     def delete(self, key: str) -> None:
         try:

@@ -4,8 +4,12 @@ The object layout is the filesystem store's, so a ``file://`` folder served by a
 (``kvcodec_tools.services.nginx`` runs one with WebDAV PUT/DELETE) is a store. Requests:
 
 - ``get``: ``GET`` (200 -> bytes, 404 -> ``None``); ``get_range``: ``GET`` with ``Range`` (206);
-- ``exists``: ``HEAD``; ``put``: ``PUT`` (the server writes a temporary file and renames it, so
-  readers see the old value or the whole new one); ``delete``: ``DELETE`` (404 is fine).
+- ``exists``: ``HEAD``; ``put``: ``PUT`` with ``If-None-Match: *`` (a create: 412 -> False, the
+  stored value stays; ``overwrite`` sends no condition); the server writes a temporary file and
+  renames it, so readers see the old value or the whole new one. nginx's WebDAV module ignores the
+  header, so ``kvcodec_tools.services.nginx`` answers 412 itself for a PUT with it over an existing
+  file (checked, then written: two writers racing within one upload may both win, each value
+  whole); ``delete``: ``DELETE`` (404 is fine).
 
 Every request carries ``Authorization: Bearer <token>`` when a token is set: the ``token=``
 argument, else the environment variable ``KVCODEC_STORE_TOKEN``. A token in the URL is refused
@@ -161,9 +165,13 @@ class HttpStore(KVStore):
         self._expect(status, (200,), "HEAD", key)
         return True
 
-    def put(self, key: str, data: bytes) -> None:
-        status, _, _ = self._request("PUT", key, body=bytes(data))
+    def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+        headers = None if overwrite else {"If-None-Match": "*"}
+        status, _, _ = self._request("PUT", key, body=bytes(data), headers=headers)
+        if status == 412 and not overwrite:
+            return False  # another writer stored this chunk first
         self._expect(status, (200, 201, 204), "PUT", key)
+        return True
 
     def delete(self, key: str) -> None:
         status, _, _ = self._request("DELETE", key)

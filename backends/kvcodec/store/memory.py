@@ -28,8 +28,13 @@ class MemoryStore(KVStore):
     def exists(self, key: str) -> bool:
         return check_key(key) in self._data
 
-    def put(self, key: str, data: bytes) -> None:
-        self._data[check_key(key)] = bytes(data)
+    def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+        key, value = check_key(key), bytes(data)
+        with _LOCK:
+            if not overwrite and key in self._data:
+                return False
+            self._data[key] = value
+            return True
 
     def delete(self, key: str) -> None:
         self._data.pop(check_key(key), None)

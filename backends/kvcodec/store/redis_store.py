@@ -1,8 +1,8 @@
 """Redis stores: ``redis[s]://[USER]:PASSWORD@HOST:PORT/DB`` and
 ``redis[s]+cluster://[USER]:PASSWORD@HOST:PORT[,HOST:PORT...]`` (the ``redis`` package).
 
-One value per chunk under ``<prefix><key>`` (``SET`` is atomic: a reader sees the old value or the
-whole new one). ``get_range`` sends ``EXISTS`` and ``GETRANGE`` in one round trip (``GETRANGE``
+One value per chunk under ``<prefix><key>``; ``put`` is ``SET NX`` (a create: False when the key
+is there), ``SET`` with ``overwrite`` (atomic: a reader sees the old value or the whole new one). ``get_range`` sends ``EXISTS`` and ``GETRANGE`` in one round trip (``GETRANGE``
 alone cannot tell a miss from an empty value). Keys carry no hash tag, so a cluster spreads them
 over its slots.
 
@@ -189,9 +189,12 @@ class _RedisBase(KVStore):
         k = self._k(key)
         return bool(self._call("EXISTS", key, lambda c: c.exists(k)))
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
         k, value = self._k(key), bytes(data)
-        self._call("SET", key, lambda c: c.set(k, value))
+        if overwrite:
+            self._call("SET", key, lambda c: c.set(k, value))
+            return True
+        return bool(self._call("SET NX", key, lambda c: c.set(k, value, nx=True)))
 
     def delete(self, key: str) -> None:
         k = self._k(key)

@@ -7,12 +7,13 @@ profile or the instance role. Requests:
 
 - ``get``: ``GetObject`` (``NoSuchKey`` -> ``None``); ``get_range``: ``GetObject`` with ``Range``;
 - ``exists``: ``HeadObject``; ``delete``: ``DeleteObject``;
-- ``put``: a conditional create, ``PutObject`` with ``If-None-Match: *``. Chunk keys name their
-  content, so when another writer stored the key first (412 ``PreconditionFailed``, or 409 while
-  its upload is in flight) the put has succeeded: two replicas writing back one prefix never tear
-  a chunk, and the loser's body is refused. A server that does not implement the condition (501,
-  or 400 naming the header) gets plain ``PutObject`` from then on. A single ``PutObject`` is atomic
-  on S3: a reader sees no object or the whole one. To replace a stored chunk, ``delete`` it first.
+- ``put``: a conditional create, ``PutObject`` with ``If-None-Match: *``; when another writer
+  stored the key first (412 ``PreconditionFailed``, or 409 while its upload is in flight) it
+  returns False and the loser's body is refused: two replicas writing back one prefix never tear
+  a chunk. A server that does not implement the condition (501, or 400 naming the header) gets
+  ``HeadObject`` then plain ``PutObject`` from then on (a create that two writers racing within one
+  upload may both win, each value whole). ``overwrite``: plain ``PutObject``. A single
+  ``PutObject`` is atomic on S3: a reader sees no object, the old one or the whole new one.
 - ``scan``: ``ListObjectsV2`` under the prefix (size and ``LastModified``).
 
 One boto3 client per store object (thread-safe, made on first use), with a connection pool of
@@ -229,28 +230,31 @@ class S3Store(KVStore):
                 return False
             raise self._fail("HEAD", key, exc) from None
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
         import botocore.exceptions as bx
 
         name, body = self._name(key), bytes(data)
-        if self.conditional:
+        if self.conditional and not overwrite:
             try:
                 self._call("PUT", key, lambda c: c.put_object(Bucket=self.bucket, Key=name, Body=body,
                                                               IfNoneMatch="*"))
-                return
+                return True
             except bx.ClientError as exc:
                 code = self._code(exc)
                 status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
                 if code in _TAKEN:
-                    return  # another writer stored this chunk first: done
+                    return False  # another writer stored this chunk first: its copy stays
                 message = str(exc.response.get("Error", {}).get("Message", ""))
                 if not (code == "NotImplemented" or status == 501 or "If-None-Match" in message):
                     raise self._fail("PUT", key, exc) from None
-                self.conditional = False  # this server cannot: plain puts from now on
+                self.conditional = False  # this server cannot: look, then put, from now on
+        if not overwrite and self.exists(key):
+            return False
         try:
             self._call("PUT", key, lambda c: c.put_object(Bucket=self.bucket, Key=name, Body=body))
         except bx.ClientError as exc:
             raise self._fail("PUT", key, exc) from None
+        return True
 
     def delete(self, key: str) -> None:
         import botocore.exceptions as bx

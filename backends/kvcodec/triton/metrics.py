@@ -8,7 +8,7 @@ thread-safe. The families are listed in docs/operations.md, "Metrics".
 """
 import triton_python_backend_utils as pb_utils
 
-from ..connector.writeback import COUNTS, Increments
+from ..connector.writeback import CHUNK_COUNTS, COUNTS, Increments
 
 SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
@@ -48,6 +48,11 @@ class LlmMetrics:
                                              pb_utils.MetricFamily.GAUGE)
         self._pending = self.pending.Metric(labels={})
         self._save_increments = Increments()
+        self.chunks = pb_utils.MetricFamily("kvcodec_writeback_chunks_total",
+                                            "Chunk copies (one per rung) written back, by outcome (written: "
+                                            "by this server; present: another writer had stored it first)", counter)
+        self._chunks = {outcome: self.chunks.Metric(labels={"outcome": outcome}) for outcome in CHUNK_COUNTS}
+        self._chunk_increments = Increments(CHUNK_COUNTS)
 
     def writeback(self, engine):
         stats = engine.writeback_stats()
@@ -56,6 +61,9 @@ class LlmMetrics:
         for state, n in self._save_increments.since(stats).items():
             if n:
                 self._saves[state].increment(n)
+        for outcome, n in self._chunk_increments.since(stats).items():
+            if n:
+                self._chunks[outcome].increment(n)
         self._pending.set(float(stats.get("pending", 0)))
 
     def cancelled(self):

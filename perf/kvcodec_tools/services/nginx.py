@@ -2,7 +2,8 @@
 
 Serves ``root/data`` (the filesystem store's layout: ``<key>.kvc``) at ``/<prefix>/``. GET and HEAD
 (with Range, and a folder's listing as JSON) are open to everyone; PUT, DELETE and MKCOL need ``Authorization: Bearer <token>``
-(401 otherwise). PUT goes through nginx's temporary file and a rename, so it is atomic.
+(401 otherwise). PUT goes through nginx's temporary file and a rename, so it is atomic; a PUT with
+``If-None-Match: *`` over an existing chunk is answered 412 (a create, as ``HttpStore.put`` sends).
 Everything nginx writes (config, pid, logs, temp files) lives in ``root/nginx``.
 """
 from __future__ import annotations
@@ -68,6 +69,15 @@ http {{
                 return 401;
             }}
             alias {data}/;
+            # a create (PUT with If-None-Match: *, as HttpStore.put sends) over an existing chunk: 412
+            # (the dav module ignores the header; checked, then written by the dav module's rename)
+            set $kv_create "$request_method:$http_if_none_match";
+            if (-f $request_filename) {{
+                set $kv_create "$kv_create:taken";
+            }}
+            if ($kv_create = "PUT:*:taken") {{
+                return 412;
+            }}
             dav_methods PUT DELETE MKCOL;
             create_full_put_path on;
             dav_access user:rw group:r all:r;
