@@ -30,6 +30,7 @@ import argparse
 import json
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -310,7 +311,7 @@ def cmd_eval(args) -> int:
     from kvcodec_tools.quality.evaluate import evaluate
 
     settings = _settings(args)
-    engine = open_engine(settings)
+    engine = open_engine(replace(settings, writeback=()))  # measures: stores nothing
     scheme = get_scheme(args.codec, args.quality).for_card(engine.card)
     ids = engine.tokenize(_read_text(args.text_file))
     result = evaluate(engine, ids, args.prefix_tokens, args.continuation_tokens, scheme, settings.chunk_tokens)
@@ -344,7 +345,7 @@ def cmd_eval_task(args) -> int:
     config = TaskConfig(task=args.task, codecs=args.codec, samples=args.samples, context_tokens=args.context_tokens,
                         seed=args.seed, chunk_tokens=settings.chunk_tokens, threads=settings.threads or 1,
                         answer_tokens=args.answer_tokens)
-    result = run_task(open_engine(settings), config)
+    result = run_task(open_engine(replace(settings, writeback=())), config)  # measures: stores nothing
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from kvcodec.connector import LoadSession
+from kvcodec.engines import StreamReport
 from kvcodec.engines.model_files import ensure_model
 from kvcodec.settings import Settings
 from tests.other_model import GEOMETRY, write_model
@@ -121,10 +122,10 @@ def test_the_request_is_promised_its_staged_chunks_in_process(engine):
     session.put(2, kv[:, :, :, 128:])
     session.put(0, kv[:, :, :, :64])
     session.put(1, kv[:, :, :, 64:128])
-    report: dict = {}
+    report = StreamReport()
     tokens = list(engine.stream(ids, 3, report=report, load=session))
     assert tokens == [100, 101, 102]
-    assert report == {"staged_tokens": 192, "reused_tokens": 192}
+    assert report == StreamReport(staged_tokens=192, reused_tokens=192)
     blocks, promised = llm.blocks[1]
     assert promised == 192
     from kvcodec.connector import KVPages
@@ -143,7 +144,7 @@ def test_the_request_is_taken_at_its_first_chunk_and_the_chunks_that_follow_are_
     kv = (np.random.default_rng(1).integers(-512, 512, (L, 2, H, 192, D)) / 16).astype(np.float16)
     session = LoadSession(64, 3)
     session.put(0, kv[:, :, :, :64])
-    report: dict = {}
+    report = StreamReport()
     out: list = []
     worker = threading.Thread(target=lambda: out.extend(engine.stream(ids, 2, report=report, load=session)))
     worker.start()
@@ -152,7 +153,7 @@ def test_the_request_is_taken_at_its_first_chunk_and_the_chunks_that_follow_are_
     session.put(1, kv[:, :, :, 64:128])
     session.put(2, kv[:, :, :, 128:])
     worker.join(10)
-    assert out == [100, 101] and report == {"staged_tokens": 192, "reused_tokens": 192}
+    assert out == [100, 101] and report == StreamReport(staged_tokens=192, reused_tokens=192)
     from kvcodec.connector import KVPages
 
     blocks, _ = llm.blocks[1]
@@ -164,9 +165,9 @@ def test_a_request_whose_first_chunk_failed_is_promised_nothing(engine):
     session.fail(0, "corrupt: bad tag")
     session.put(1, np.zeros((L, 2, H, 64, D), np.float16))
     session.put(2, np.zeros((L, 2, H, 64, D), np.float16))
-    report: dict = {}
+    report = StreamReport()
     assert list(engine.stream(list(range(2000, 2200)), 2, report=report, load=session)) == [100, 101]
-    assert report == {"staged_tokens": 0, "reused_tokens": 0}
+    assert report == StreamReport(staged_tokens=0, reused_tokens=0)
     assert FakeLLM.instances[-1].blocks[1][1] == 0
 
 

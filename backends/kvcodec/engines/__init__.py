@@ -34,8 +34,8 @@ Contract of an engine class:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, List, Optional, Protocol, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -98,7 +98,7 @@ class Engine(Protocol):
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]: ...
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[dict] = None, load=None) -> Iterator[int]: ...
+               report: Optional["StreamReport"] = None, load=None) -> Iterator[int]: ...
 
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
 
@@ -107,6 +107,26 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release threads, write-back (finishing what was accepted) and store connections."""
+
+
+@dataclass
+class StreamReport:
+    """What an engine says of one ``stream`` call. The engine fills it as it goes; ``serving.generate``
+    reads what the engine took at the first token and the rest at the end (``RequestStats.engine``).
+    A field left None was not said (``reused_tokens`` None: the engine took all the KV it was given)."""
+
+    reused_tokens: Optional[int] = None  # tokens of the restored KV the engine took (a paged engine: whole blocks)
+    promised_tokens: Optional[int] = None  # vllm: what the connector promised the scheduler
+    staged_tokens: Optional[int] = None  # trtllm: restored tokens staged on the pool's device
+    async_load: Optional[bool] = None  # vllm: the load ran beside the engine's steps
+    load_s: Optional[float] = None  # vllm: seconds spent writing restored KV into blocks
+    saved_chunks: Optional[int] = None  # full chunks of the prompt handed to write-back
+    save_copy_s: Optional[float] = None  # vllm: seconds spent copying them out of blocks
+
+    def engine_stats(self) -> Dict[str, Any]:
+        """The fields said, but ``reused_tokens``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "reused_tokens" and getattr(self, f.name) is not None}
 
 
 ENGINES: Registry = Registry("engine")

@@ -106,13 +106,16 @@ class EngineFiles:
 
     max_concurrency = 1  # requests in flight at once (an engine that batches says more)
     streams_loads = False  # True: ``stream(load=...)`` takes chunks still arriving
+    writeback = None  # the ``connector.WriteBackSink`` its misses' new chunks go to (None: it saves nothing)
 
     def writeback_stats(self) -> "Optional[dict]":
-        """The write-back sink's counts (``connector.WriteBack.stats``); None: this engine does not save."""
-        return None
+        """The write-back sink's counts (``connector.WriteBackSink.stats``); None: this engine saves nothing."""
+        return self.writeback.stats() if self.writeback is not None else None
 
     def close(self) -> None:
         """Release the engine (threads, write-back, store connections)."""
+        if self.writeback is not None:
+            self.writeback.close()
 
     def _bind(self, settings) -> "ModelFiles":
         """Set what every engine instance holds (settings, card, model_id, tokenizer, chunk_tokens);

@@ -9,6 +9,10 @@ SmolLM2-135M-Instruct (``model_files``). It keeps the contract of ``kvcodec.engi
   ``past_kv`` (the KV of ``ids[:n]``, float16 or float32) only ``ids[n:]`` is computed. At least
   one token must be left to compute. The model runs in float32 (card ``kv_dtype``): float32 KV
   from ``raw`` is its own, exactly.
+- Write-back (``Settings.writeback``, default the ladder's first rung; ``off``: none), as every
+  engine: once the first token is out, the prompt's full chunks past ``past_kv`` are copied out of
+  the cache and handed to the ``connector.WriteBackSink`` (encoded and stored on its thread; a
+  full queue drops, counted); ``report.saved_chunks`` says how many it took.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import numpy as np
 
 from ..errors import BadRequest
 from ..format.geometry import Geometry
-from . import ModelCard, model_files
+from . import ModelCard, StreamReport, model_files
 from .model_files import ModelFiles
 from .tokenizer import IncrementalDetokenizer
 
@@ -34,7 +38,11 @@ class TransformersEngine(model_files.EngineFiles):
 
     @classmethod
     def from_settings(cls, settings, device: str = "cpu") -> "TransformersEngine":
-        return cls(model_files.files_for(settings), threads=settings.threads or None, device=device)
+        from ..connector.sink import sink_for_settings
+
+        engine = cls(model_files.files_for(settings), threads=settings.threads or None, device=device)
+        engine.writeback = sink_for_settings(settings, cls.model_card(settings))
+        return engine
 
     def __init__(self, files: ModelFiles, threads: Optional[int] = None, device: str = "cpu") -> None:
         import torch
@@ -122,7 +130,7 @@ class TransformersEngine(model_files.EngineFiles):
         return cache
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[dict] = None) -> Iterator[int]:
+               report: Optional[StreamReport] = None) -> Iterator[int]:
         torch = self._torch
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
@@ -134,13 +142,26 @@ class TransformersEngine(model_files.EngineFiles):
                 raise BadRequest("restored KV covers the whole prompt; at least one token must be computed")
             cache = self._cache_from(past_kv)
         if report is not None:
-            report["reused_tokens"] = start
+            report.reused_tokens = start
         x = torch.tensor([list(ids[start:])], device=self.device)
         with torch.inference_mode():
-            for _ in range(max_tokens):
+            for step in range(max_tokens):
                 logits = self.model(input_ids=x, **{self._cache_arg: cache}, use_cache=True).logits
                 token = int(logits[0, -1].argmax())
                 yield token
+                if step == 0:  # the prompt's KV is in the cache and the first token is out
+                    self._save(ids, start, cache, report)
                 if token == self.eos_token_id:
                     return
                 x = torch.tensor([[token]], device=self.device)
+
+    def _save(self, ids: Sequence[int], start: int, cache, report: Optional[StreamReport]) -> None:
+        """Hand the prompt's full chunks computed here (past ``start``) to the write-back sink."""
+        if self.writeback is None:
+            return
+        c = self.writeback.saver.chunk_tokens
+        first = -(-start // c)  # the chunks before ``start`` came from the store
+        chunks = [(i, i * c, self._cache_to_numpy(cache, i * c, (i + 1) * c)) for i in range(first, len(ids) // c)]
+        saved = self.writeback.for_prompt(ids)(chunks) if chunks else 0
+        if report is not None:
+            report.saved_chunks = saved

@@ -41,7 +41,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from ..errors import BadRequest, Unsupported
-from . import ModelCard, model_files
+from . import ModelCard, StreamReport, model_files
 
 log = logging.getLogger("kvcodec.trtllm")
 
@@ -114,7 +114,7 @@ class TrtllmEngine(model_files.EngineFiles):
 
     # -- the contract (geometry, tokenize, detokenizer: model_files.EngineFiles) ------------------
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[dict] = None, load=None) -> Iterator[int]:
+               report: Optional[StreamReport] = None, load=None) -> Iterator[int]:
         from tensorrt_llm import SamplingParams
 
         if len(ids) == 0:
@@ -124,7 +124,7 @@ class TrtllmEngine(model_files.EngineFiles):
         first = True
         for output in self._llm.generate_async(list(ids), sampling_params=params, streaming=True):
             if first and report is not None:
-                report.update(staged_tokens=staged, reused_tokens=promised_tokens(ids))
+                report.staged_tokens, report.reused_tokens = staged, promised_tokens(ids)
                 first = False
             for token in output.outputs[0].token_ids_diff:
                 yield int(token)

@@ -10,9 +10,9 @@ prefill mixed.
   ``LoadSession`` (``load``: chunks still arriving, ``streams_loads``; or ``past_kv``, KV in hand) as
   an ``Offer``, adds the request, yields its tokens as the engine steps. The connector loads the
   session into the request's blocks (block-aligned, at least one prompt token computed), chunk by
-  chunk as they arrive while vLLM steps the other requests; ``report`` (a dict), if given, receives
-  ``reused_tokens`` (what the engine took), ``promised_tokens``, ``async_load``, ``load_s``,
-  ``saved_chunks``.
+  chunk as they arrive while vLLM steps the other requests; ``report`` (an ``engines.StreamReport``),
+  if given, receives ``reused_tokens`` (what the engine took), ``promised_tokens``, ``async_load``,
+  ``load_s``, ``saved_chunks``, ``save_copy_s``.
 - Write-back (``Settings.writeback``, default the ladder's first rung; ``off`` turns it off): the
   prompt's new full chunks are read out of the blocks after its prefill (``wait_for_save``) and
   encoded and stored by one background thread (``connector.WriteBack``, bounded: a full queue
@@ -40,7 +40,7 @@ import numpy as np
 
 from ..connector.sink import sink_for_settings
 from ..errors import BadRequest, Unsupported
-from . import ModelCard, model_files
+from . import ModelCard, StreamReport, model_files
 
 log = logging.getLogger("kvcodec.vllm")
 
@@ -145,7 +145,7 @@ class VllmEngine(model_files.EngineFiles):
 
     # -- the contract (geometry, tokenize, detokenizer: model_files.EngineFiles) ------------------
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[dict] = None, load=None) -> Iterator[int]:
+               report: Optional[StreamReport] = None, load=None) -> Iterator[int]:
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
         if past_kv is not None and past_kv.shape[3] >= len(ids):
@@ -182,10 +182,10 @@ class VllmEngine(model_files.EngineFiles):
         extra = dict(logprobs=-1, detokenize=False)
 
         def row(i: int) -> np.ndarray:
-            report: dict = {}
+            report = StreamReport()
             output = list(self._run([0] * n + list(ids[:i + 1]), 1, past_kv, None, report, extra))[-1]
-            if report.get("reused_tokens") != n:
-                raise Unsupported(f"vLLM took {report.get('reused_tokens')} of the {n} prefix tokens")
+            if report.reused_tokens != n:
+                raise Unsupported(f"vLLM took {report.reused_tokens} of the {n} prefix tokens")
             dist = output.outputs[0].logprobs[0]
             out = np.full(self.card.vocab_size, -np.inf, dtype=np.float32)
             out[np.fromiter(dist.keys(), dtype=np.int64, count=len(dist))] = np.fromiter(
@@ -198,19 +198,14 @@ class VllmEngine(model_files.EngineFiles):
     def _block_size(self) -> int:
         return int(self._engine.vllm_config.cache_config.block_size)
 
-    def writeback_stats(self) -> Optional[dict]:
-        """The write-back sink's counts (``connector.WriteBack.stats``), None without write-back."""
-        return self.writeback.stats() if self.writeback is not None else None
-
     def close(self) -> None:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=10)
-        if self.writeback is not None:
-            self.writeback.close()
+        super().close()  # the write-back sink
 
     # -- one request --------------------------------------------------------------------------
-    def _run(self, ids, max_tokens: int, past, save, report: Optional[dict],
+    def _run(self, ids, max_tokens: int, past, save, report: Optional[StreamReport],
              extra: Optional[dict] = None) -> Iterator:
         """The request's tokens as they come; with ``extra`` (more sampling parameters) its one
         final ``RequestOutput`` instead. ``past``: a ``LoadSession``, KV in hand, or None."""
@@ -233,17 +228,17 @@ class VllmEngine(model_files.EngineFiles):
                 if item is None:
                     done = True
                     return
-                if report is not None and "reused_tokens" not in report:
-                    report.update(reused_tokens=offer.loaded_tokens, promised_tokens=offer.promised_tokens,
-                                  async_load=offer.asynchronous, load_s=round(offer.load_s, 6))
+                if report is not None and report.reused_tokens is None:
+                    report.reused_tokens, report.promised_tokens = offer.loaded_tokens, offer.promised_tokens
+                    report.async_load, report.load_s = offer.asynchronous, round(offer.load_s, 6)
                 yield item
         finally:
             if not done:
                 self._inbox.put(("abort", request_id))
             HANDOFF.pop(request_id)
             if report is not None:
-                report["saved_chunks"] = offer.saved_chunks
-                report["save_copy_s"] = round(offer.save_s, 6)
+                report.saved_chunks = offer.saved_chunks
+                report.save_copy_s = round(offer.save_s, 6)
 
     def _loop(self) -> None:
         from vllm import SamplingParams

@@ -19,6 +19,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from ..engines import StreamReport
 from ..errors import BadRequest
 from .assemble import Assembled, Chunks
 from .stats import RequestStats
@@ -57,7 +58,7 @@ def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assemble
     t0 = time.perf_counter()
     n = 0
     pending: Optional[Event] = None
-    report: dict = {}
+    report = StreamReport()
     tokens = engine.stream(ids, max_tokens, None, report=report, load=load.session) if load is not None else \
         engine.stream(ids, max_tokens, past, report=report)
     for token in tokens:
@@ -84,7 +85,7 @@ def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assemble
     if pending is None:
         raise BadRequest("max_tokens must be at least 1")
     stats.generated_tokens = n
-    stats.engine.update({k: v for k, v in report.items() if k != "reused_tokens"})
+    stats.engine.update(report.engine_stats())
     stats.generate_s = round(time.perf_counter() - t0, 6)
     stats.final = True
     pending.text += detok.flush()
@@ -102,12 +103,12 @@ def _refreshed(before: RequestStats, after: RequestStats, why: str) -> RequestSt
     return after
 
 
-def _took(stats: RequestStats, report: dict, n_ids: int) -> None:
+def _took(stats: RequestStats, report: StreamReport, n_ids: int) -> None:
     """What the engine says it reused: a paged engine takes whole blocks of the restored KV."""
-    if "reused_tokens" in report:
-        stats.reused_tokens = int(report["reused_tokens"])
+    if report.reused_tokens is not None:
+        stats.reused_tokens = int(report.reused_tokens)
         stats.computed_tokens = n_ids - stats.reused_tokens
-    stats.engine.update({k: v for k, v in report.items() if k != "reused_tokens"})
+    stats.engine.update(report.engine_stats())
 
 
 def _unusable(engine, past, n_ids: int) -> str:

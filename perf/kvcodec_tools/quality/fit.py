@@ -26,7 +26,7 @@ def fit_codec_profile(settings, tokens: int, out: Optional[Path] = None, weigh: 
     from kvcodec_tools.quality import evalset
 
     t0 = time.perf_counter()
-    settings = replace(settings, engine="transformers")
+    settings = replace(settings, engine="transformers", writeback=())
     engine = open_engine(settings)
     folder = settings.model is not None and engine.card.codec_profile != model_files.CODEC_PROFILE
     weigh = True if weigh is None else weigh

@@ -67,7 +67,7 @@ def _engine(config: RdConfig):
     from kvcodec.settings import Settings
 
     return open_engine(Settings.load({"model_cache": config.model_cache, "engine": config.engine,
-                                      "model": config.model}))
+                                      "model": config.model, "writeback": "off"}))
 
 
 def _card(config: RdConfig):

@@ -29,6 +29,7 @@ Llama-type models (``q_proj``, ``o_proj``, rotate-half RoPE).
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -133,7 +134,7 @@ def weigh_codec_profile(settings, base: str, out, exponent: float = 0.5, texts: 
     from kvcodec.profiles import find_profile, read_profile, save_profile
     from kvcodec_tools.quality import evalset
 
-    engine = engine or open_engine(settings)
+    engine = engine or open_engine(replace(settings, writeback=()))
     path = Path(base_path) if base_path else find_profile(base)
     profile = read_profile(path, base)
     ids = [i for _, i in evalset.load(evalset.FIT_SET[:texts], engine.tokenize, prefix + continuation)]
