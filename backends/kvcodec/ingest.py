@@ -115,7 +115,7 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
                                                              i * chunk_tokens))
                         for s in schemes if not store.exists(keys[s.identity][i])]
                 pending.append((kv.size * 2, jobs))
-                # one worker: stored at once, as before; else ``workers`` chunks encode while
+                # one worker: each chunk stored at once; else ``workers`` chunks encode while
                 # prefill makes the next one (bounded memory: at most workers + 1 chunks held)
                 while len(pending) > (workers if workers > 1 else 0):
                     finish_oldest()

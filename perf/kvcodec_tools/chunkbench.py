@@ -21,8 +21,7 @@ the array, ``tensor`` is ``np.ascontiguousarray``, ``text_tensor`` a one-element
 - ``kv_tensor``: kv_restore's ``kv`` / ``kv32`` output tensors (the KV in the one of its dtype, the other
                 empty; a CPU tensor as its numpy view, as ``kvcodec.triton.tensor`` does), timed apart and
                 left out of ``total_ms``: the restored KV of ``native``, ``q8``, ``qn`` and ``cg`` is not
-                C-contiguous (before the refactor too), so ``np.ascontiguousarray`` copies it. The run
-                before the refactor did not time this copy; ``total_ms`` stays comparable.
+                C-contiguous, so ``np.ascontiguousarray`` copies it; ``total_ms`` leaves this copy out.
 
 Not emulated: ``ChunkInfo`` JSON in/out, the copies of ``pb_utils.Tensor`` into shared memory, and the
 generation that follows the gather. Also timed, inside the very same calls (by wrapping them), are the

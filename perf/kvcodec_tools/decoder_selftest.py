@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Sequence
 import numpy as np
 
 from kvcodec.bitstream import entropy_selftest, selftest
-from kvcodec.bitstream.profiles import PROFILES, profile_params
+from kvcodec.bitstream.stream_profiles import STREAM_PROFILES, profile_params
 
 
 def regenerate(directory: Path = selftest.REFERENCE_DIR, log=print) -> Dict[str, Any]:
@@ -34,7 +34,7 @@ def regenerate(directory: Path = selftest.REFERENCE_DIR, log=print) -> Dict[str,
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     index: Dict[str, Any] = {"format": selftest.FORMAT, "made_with": {"av": av.__version__}, "profiles": {}}
-    for name in PROFILES:
+    for name in STREAM_PROFILES:
         params = profile_params(name)
         coder = Hevc(**params)
         planes = selftest.reference_planes(coder.bit_depth)
@@ -68,7 +68,7 @@ def regenerate_entropy(directory: Path = selftest.REFERENCE_DIR, log=print) -> D
     index: Dict[str, Any] = {"format": entropy_selftest.FORMAT, "made_with": {"zstandard": zstandard.__version__},
                              "profiles": {}}
     planes = entropy_selftest.reference_planes()
-    for name in entropy_selftest.PROFILES:
+    for name in entropy_selftest.FRAMINGS:
         params = dict(entropy_selftest.PARAMS[name])
         coder = Zstd(**params)
         data = coder.encode(planes)
@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 directory=args.directory)
     try:
         print(json.dumps(decoders.summary(), indent=1))
-        return 0 if decoders.verified_profiles == set(PROFILES) else 1
+        return 0 if decoders.verified_stream_profiles == set(STREAM_PROFILES) else 1
     finally:
         decoders.close()
 

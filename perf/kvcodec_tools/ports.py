@@ -56,7 +56,7 @@ def free_port_run(n: int, host: str = "127.0.0.1", offsets: Sequence[int] = (0,)
 
     No port of the run falls in ``avoid`` (inclusive; the kernel's ephemeral range unless given): a
     port there that is free now can become the local end of any outgoing connection before the
-    server binds it, which is how a weed admin port was once taken under CI."""
+    server binds it (a SeaweedFS admin port can be taken so)."""
     a_lo, a_hi = ephemeral_range() if avoid is None else avoid
     span = n - 1 + max(offsets)
     # the run at offset o, [b + o, b + o + n - 1], must not overlap [a_lo, a_hi]

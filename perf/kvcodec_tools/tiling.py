@@ -4,7 +4,8 @@ frame per plane (``kvcodec.bitstream.tiling``), side by side in one run: ``perf/
 Two parts, then the gate:
 
 - ``--bench``: real KV chunks (``--texts`` eval texts x ``--chunks`` 256-token chunks, SmolLM2)
-  encoded once per frame shape (the video rung's settings with ``tile`` = 0, the old frames, and
+  encoded once per frame shape (the video rung's settings with ``tile`` = 0, one frame per plane,
+  labelled "old frames" in the results, and
   each of ``--tiles`` Mpixel), the shapes interleaved: bitstream bytes, x265 encode seconds, and
   PyAV decode MB/s of fp16 KV (frames decoded and untiled, no restore) at 1 and 2 decoder
   threads, best of ``--repeats`` rounds;
@@ -12,9 +13,9 @@ Two parts, then the gate:
   each (``kvcodec rd --settings video:13,<tiled>:13`` over the eval set, ``kvcodec eval-task
   --task passkey --codec video,<tiled>``), read and summarised;
 - ``--probe``: on the same chunks, x265's coding tools on the tiled frames (``--tools``, each a
-  ``hevc`` ``x265`` string) against the old frames at one QP: bytes and the squared error of the
-  decoded planes, each relative to the old frames' (what chose the tiled rung's tools);
-- the gate (the issue's): the tiled rung's ratio vs fp16 at least 97% of the old frames', its task
+  ``hevc`` ``x265`` string) against one frame per plane at one QP: bytes and the squared error of
+  the decoded planes, each relative to those of one frame per plane (what chose the tiled rung's tools);
+- the gate: the tiled rung's ratio vs fp16 at least 97% of the untiled video rung's, its task
   accuracy at least 97% of theirs, and it passes rd's own quality gate (mean KL, top-1).
 """
 from __future__ import annotations

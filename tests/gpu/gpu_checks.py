@@ -374,7 +374,7 @@ def check_nvcomp(ctx: Ctx) -> Tuple[bool, Dict[str, Any]]:
     dec = ChunkDecoder(stage["model_id"], auth=auth, entropy=ctx.entropy)
     out["selftest"] = dec.selftest_results  # nvCOMP on the reference payloads (None for the CPU's)
     if not ctx.dry_run:
-        from kvcodec.bitstream.entropy_selftest import PROFILES as FRAMINGS
+        from kvcodec.bitstream.entropy_selftest import FRAMINGS
 
         out["selftest_passed"] = dec.verified_framings == set(FRAMINGS)
         ok = ok and out["selftest_passed"]

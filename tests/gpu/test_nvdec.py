@@ -165,7 +165,7 @@ def test_chunk_decoder_on_nvdec_device_output_verifies_at_start_up_and_skips_the
         np.random.default_rng(s).standard_normal((4, 2, 3, 256, 64)).astype(np.float32), "k", 0, 0) for s in (1, 2)]
     dec = decode_mod.ChunkDecoder("m", auth=auth, decoder="nvdec", device_output=True, gpu_id=GPU_ID)
     try:
-        assert dec.verified_profiles == set(selftest.PROFILES), dec.selftest_results
+        assert dec.verified_stream_profiles == set(selftest.STREAM_PROFILES), dec.selftest_results
         first = dec.decode(chunks[0], key="k").planes
         monkeypatch.setattr(decode_mod, "planes_digest", lambda planes: pytest.fail("host digest on a verified chunk"))
         second = dec.decode(chunks[1], key="k").planes

@@ -82,8 +82,15 @@ class MisbehavingStore:
                 if not line:
                     return
                 method, path, _ = line.decode().split(" ", 2)
-                while reader.readline() not in (b"\r\n", b""):
-                    pass  # headers (no request of ours has a body)
+                length = 0
+                while (header := reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = header.decode("latin-1").partition(":")
+                    if name.strip().lower() == "content-length":
+                        length = int(value)
+                reader.read(length)  # a write-back's PUT body
+                if method in ("PUT", "DELETE"):  # a read-only store: the server's write-back is refused
+                    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+                    continue
                 if not self._answer(conn, method, path):
                     return
 

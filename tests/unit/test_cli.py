@@ -45,7 +45,7 @@ def one_line_refusal(proc: subprocess.CompletedProcess, command: str) -> str:
 
 # -- what the flags do ---------------------------------------------------------------------------
 def test_serve_keeps_codecs_as_the_ladders_old_flag(tmp_path):
-    """``serve --codecs`` (the old name) sets the ladder that the server's steps read: the settings
+    """``serve --codecs`` (an alias of ``--ladder``) sets the ladder that the server's steps read: the settings
     ``serve`` builds carry it into the server's environment, where each step loads its settings."""
     for flag in ("--codecs", "--ladder"):
         args = build_parser().parse_args(["serve", flag, "raw,int8-zstd", "--home", str(tmp_path)])

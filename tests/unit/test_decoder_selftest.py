@@ -20,7 +20,7 @@ import torch
 from kvcodec.bitstream import selftest
 from kvcodec.bitstream.hevc import DECODERS, Hevc, PyAVDecoder, _luma
 from kvcodec.bitstream.nvdec import _Cuda
-from kvcodec.bitstream.profiles import stream_profile
+from kvcodec.bitstream.stream_profiles import stream_profile
 from kvcodec.bitstream.verified import VerifiedDecoders
 from kvcodec.encode import ChunkEncoder
 from kvcodec.errors import CorruptChunk, Unsupported
@@ -134,7 +134,7 @@ def _chunk_payload(data: bytes) -> bytes:
 # -- reference streams -----------------------------------------------------------------------------
 def test_the_reference_streams_match_their_index_and_the_rungs_settings():
     index = selftest.load_index()
-    assert index["format"] == selftest.FORMAT and sorted(index["profiles"]) == sorted(selftest.PROFILES)
+    assert index["format"] == selftest.FORMAT and sorted(index["profiles"]) == sorted(selftest.STREAM_PROFILES)
     for name, entry in index["profiles"].items():
         data = (selftest.REFERENCE_DIR / entry["file"]).read_bytes()
         assert len(data) == entry["bytes"] < 16 * 1024, f"{name}: reference streams stay small"
@@ -159,7 +159,7 @@ def test_the_reference_streams_match_their_index_and_the_rungs_settings():
 
 def test_pyav_passes_the_self_test_for_every_profile():
     results = selftest.verify(PyAVDecoder())
-    assert set(results) == set(selftest.PROFILES)
+    assert set(results) == set(selftest.STREAM_PROFILES)
     assert all(r["ok"] and r["status"] == "ok" for r in results.values()), results
 
 
@@ -199,7 +199,7 @@ def test_a_decoder_returning_altered_planes_fails_that_profile_only(register):
     results = decoders.results["altering10"]
     assert results["video"]["status"] == "mismatch" and "digest differs" in results["video"]["detail"]
     assert results["lossless8"]["ok"] and results["video-q8"]["ok"]
-    assert decoders.verified_profiles == {"lossless8", "video-q8"}
+    assert decoders.verified_stream_profiles == {"lossless8", "video-q8"}
     with pytest.raises(Unsupported, match="self-test for HEVC stream profile video: altering10: mismatch"):
         decoders.choose("video")
     decoder, verified = decoders.choose("lossless8")
@@ -239,7 +239,7 @@ def test_auto_falls_back_to_pyav_for_a_profile_nvdec_failed(register, tiny_profi
     monkeypatch.delitem(DECODERS._loaded, "nvdec", raising=False)
     dec = ChunkDecoder(MODEL, auth=AUTH, decoder="auto", selftest=True)
     assert set(dec.selftest_results) == {"nvdec", "pyav"}
-    assert dec.verified_profiles == set(selftest.PROFILES)
+    assert dec.verified_stream_profiles == set(selftest.STREAM_PROFILES)
     nvdec = dec._video.decoders["nvdec"]
     video = _video_chunk()
     before = nvdec.calls
@@ -254,7 +254,7 @@ def test_auto_makes_no_pyav_when_the_first_decoder_passes_everything(register, m
     monkeypatch.setitem(DECODERS._targets, "nvdec", f"{HERE}:CountingDecoder")
     monkeypatch.delitem(DECODERS._loaded, "nvdec", raising=False)
     decoders = VerifiedDecoders("auto")
-    assert list(decoders.decoders) == ["nvdec"] and decoders.verified_profiles == set(selftest.PROFILES)
+    assert list(decoders.decoders) == ["nvdec"] and decoders.verified_stream_profiles == set(selftest.STREAM_PROFILES)
 
 
 def test_an_unavailable_decoder_makes_its_chunks_misses_not_a_failed_start(register):
@@ -292,7 +292,7 @@ def test_verified_device_output_skips_the_host_digest_after_the_first_chunk_of_i
     register("device", DeviceDecoder)
     dec = ChunkDecoder(MODEL, auth=AUTH, decoder="device", device_output=True, gpu_id=3)
     assert DeviceDecoder.made_with == {"gpu_id": 3, "device_output": True}  # the caller's GPU id reaches it
-    assert dec.verified_profiles == set(selftest.PROFILES)
+    assert dec.verified_stream_profiles == set(selftest.STREAM_PROFILES)
     first = dec.decode(_chunk("lossless8", seed=1), key=KEY)
     assert isinstance(first.planes, torch.Tensor) and digests.calls == 1  # a new (profile, shape): hashed once
     want = PyAVDecoder().decode(_chunk_payload(_chunk("lossless8", seed=2)), 192, 64)
@@ -311,7 +311,7 @@ def test_verified_device_output_skips_the_host_digest_after_the_first_chunk_of_i
 
 def test_host_planes_keep_the_digest_on_every_chunk_even_when_verified(digests):
     dec = ChunkDecoder(MODEL, auth=AUTH, decoder="pyav", selftest=True)
-    assert dec.verified_profiles == set(selftest.PROFILES)
+    assert dec.verified_stream_profiles == set(selftest.STREAM_PROFILES)
     for seed in (1, 2, 3):
         assert isinstance(dec.decode(_chunk("lossless8", seed=seed), key=KEY).planes, np.ndarray)
     assert digests.calls == 3
@@ -320,7 +320,7 @@ def test_host_planes_keep_the_digest_on_every_chunk_even_when_verified(digests):
 
 def test_without_selftest_the_coders_decode_as_before(digests):
     dec = ChunkDecoder(MODEL, auth=AUTH)
-    assert dec.selftest_results is None and dec.verified_profiles == set()
+    assert dec.selftest_results is None and dec.verified_stream_profiles == set()
     dec.decode(_chunk("lossless8"), key=KEY)
     assert digests.calls == 1 and dec._video is None
     dec.close()
@@ -339,7 +339,7 @@ def test_device_output_of_an_unverified_profile_is_hashed_on_every_chunk(registe
 def test_a_device_decoder_wrong_at_another_size_is_caught_by_that_sizes_first_chunk(register):
     register("size-buggy", SizeBuggyDeviceDecoder)
     dec = ChunkDecoder(MODEL, auth=AUTH, decoder="size-buggy", device_output=True)
-    assert dec.verified_profiles == set(selftest.PROFILES)  # right at the self-test's size
+    assert dec.verified_stream_profiles == set(selftest.STREAM_PROFILES)  # right at the self-test's size
     for seed in (1, 2):  # and never trusted at this one: every chunk checked, every one refused
         with pytest.raises(CorruptChunk, match="do not match the digest taken at ingest"):
             dec.decode(_chunk("lossless8", seed=seed), key=KEY)
@@ -575,7 +575,7 @@ def test_kv_decode_on_a_gpu_instance_builds_the_decoder_on_that_gpu_and_logs_its
     assert DeviceDecoder.made_with == {"gpu_id": 1, "device_output": True}
     [(level, message)] = kv_decode.logged
     assert level == "info" and message.startswith("kv_decode on cuda:1: decoder nvdec self-test: ")
-    assert set(json.loads(message.split("self-test: ", 1)[1])["nvdec"]) == set(selftest.PROFILES)
+    assert set(json.loads(message.split("self-test: ", 1)[1])["nvdec"]) == set(selftest.STREAM_PROFILES)
     [response] = model.execute([_request(_chunk("lossless8"))])
     assert response.error is None
     planes = response.tensors["planes8"].value  # a CPU tensor stands for the GPU one: sent as numpy
@@ -607,7 +607,7 @@ def test_kv_decode_logs_a_warning_when_nvcomp_fails_its_self_test(kv_decode, reg
     [(level, message)] = kv_decode.logged
     assert level == "warn"
     results = json.loads(message.split("self-test: ", 1)[1])
-    assert set(results["nvdec"]) == set(selftest.PROFILES)  # NVDEC passed; the entropy decoder did not
+    assert set(results["nvdec"]) == set(selftest.STREAM_PROFILES)  # NVDEC passed; the entropy decoder did not
     assert results[OffByOneZstd.name]["zstd"].startswith("mismatch")
     model.finalize()
 
@@ -623,6 +623,6 @@ def test_the_tool_regenerates_the_committed_reference_streams_byte_for_byte(tmp_
     for entry in committed["profiles"].values():
         assert (tmp_path / entry["file"]).read_bytes() == (selftest.REFERENCE_DIR / entry["file"]).read_bytes()
     assert decoder_selftest.main(["--decoder", "pyav", "--directory", str(tmp_path)]) == 0
-    assert set(json.loads(capsys.readouterr().out)["pyav"]) == set(selftest.PROFILES)
+    assert set(json.loads(capsys.readouterr().out)["pyav"]) == set(selftest.STREAM_PROFILES)
     (tmp_path / "video.hevc").write_bytes(b"\x00" * 64)  # a damaged reference: that profile fails, exit 1
     assert decoder_selftest.main(["--decoder", "pyav", "--directory", str(tmp_path)]) == 1

@@ -73,7 +73,7 @@ def _chunk(spec: str, seed: int = 1, tokens: int = 64) -> bytes:
 # -- the reference payloads ---------------------------------------------------------------------------
 def test_the_reference_payloads_match_their_index_and_give_zstd_every_kind_of_block():
     index = entropy_selftest.load_index()
-    assert index["format"] == entropy_selftest.FORMAT and sorted(index["profiles"]) == sorted(entropy_selftest.PROFILES)
+    assert index["format"] == entropy_selftest.FORMAT and sorted(index["profiles"]) == sorted(entropy_selftest.FRAMINGS)
     planes = entropy_selftest.reference_planes()
     for name, entry in index["profiles"].items():
         data = (entropy_selftest.REFERENCE_DIR / entry["file"]).read_bytes()
@@ -92,8 +92,8 @@ def test_the_reference_payloads_match_their_index_and_give_zstd_every_kind_of_bl
 def test_the_rungs_payloads_fall_in_a_tested_framing():
     for name, scheme in SCHEMES.items():
         if scheme.codec == "zstd":
-            assert entropy_selftest.entropy_profile(scheme.codec_params) in entropy_selftest.PROFILES, name
-    assert entropy_selftest.entropy_profile({"level": 19, "frame_kb": 64}) == "zstd-framed"
+            assert entropy_selftest.framing_of(scheme.codec_params) in entropy_selftest.FRAMINGS, name
+    assert entropy_selftest.framing_of({"level": 19, "frame_kb": 64}) == "zstd-framed"
 
 
 def test_the_cpu_decoder_passes_and_a_damaged_or_missing_reference_is_an_error(tmp_path):
@@ -115,7 +115,7 @@ def test_the_cpu_decoder_passes_and_a_damaged_or_missing_reference_is_an_error(t
 def test_a_self_tested_device_decoder_is_hashed_on_the_host_once_per_shape(rung, register_entropy, digests, tiny_profile):
     register_entropy("device-zstd", DeviceZstd)
     dec = ChunkDecoder(MODEL, auth=AUTH, entropy="device-zstd")
-    assert set(dec.selftest_results["device-zstd"]) == dec.verified_framings == set(entropy_selftest.PROFILES)
+    assert set(dec.selftest_results["device-zstd"]) == dec.verified_framings == set(entropy_selftest.FRAMINGS)
     before = digests.calls
     cpu = ChunkDecoder(MODEL, auth=AUTH)
     for seed in (1, 2, 3):

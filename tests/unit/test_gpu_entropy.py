@@ -1,5 +1,5 @@
 """Entropy-coded rungs on a device decoder (``bitstream.simple``'s zstd framing, ``bitstream.decoders``'
-``ENTROPY_DECODERS``, ``bitstream.nvcomp``), on the CPU: the framing (one frame as before, or
+``ENTROPY_DECODERS``, ``bitstream.nvcomp``), on the CPU: the framing (one zstd frame, or
 ``frame_kb`` pieces of standard zstd frames), ``ChunkDecoder``'s dispatch to a device decoder
 registered through the same registry as nvCOMP's, the planes digest catching one that is not
 bit-exact, and the reasons given where nvCOMP or a GPU is missing."""

@@ -133,8 +133,8 @@ def test_the_self_tested_decoders_isolate_pyav_when_asked():
     isolated = VerifiedDecoders("pyav", isolate=True, timeout_s=20)
     try:
         assert list(isolated.decoders) == ["pyav-process"]
-        assert isolated.verified_profiles and all(r["ok"] for r in isolated.results["pyav-process"].values())
-        assert isolated.choose(next(iter(isolated.verified_profiles)))[0].pid is not None
+        assert isolated.verified_stream_profiles and all(r["ok"] for r in isolated.results["pyav-process"].values())
+        assert isolated.choose(next(iter(isolated.verified_stream_profiles)))[0].pid is not None
     finally:
         isolated.close()
     assert list(VerifiedDecoders("pyav").decoders) == ["pyav"]

@@ -1,6 +1,6 @@
 """Restore in torch with a device argument (``Layout.from_planes_torch``, ``serving.restore.restore(decoded,
-device)``) against the numpy restore it replaced, kept here frozen as the reference (``REFERENCE``: the
-numpy ``from_planes`` of every layout as it was before the port).
+device)``) against a numpy restore of every layout kept here frozen as the reference (``REFERENCE``:
+each layout's ``from_planes`` in numpy).
 
 Bit-exact on the CPU for every layout but ``pca10``: the same float32 operations in the same order
 (``pca`` and ``pca10`` already did their matrix product with torch; RoPE's tables are the same float64

@@ -115,7 +115,7 @@ def test_the_request_is_promised_its_staged_chunks_in_process(engine):
 
     llm = FakeLLM.instances[-1]
     assert llm.single_process == "1" and os.environ["TRTLLM_KVCODEC_CONFIG"].endswith("kvcodec-trtllm.json")
-    assert engine.card.model_id.endswith("/trtllm-float16") and engine.streams_loads
+    assert engine.card.model_id.endswith("/trtllm-float16") and engine.takes_session
     ids = list(range(1000, 1200))  # 200 tokens: three chunks of 64, one token left
     kv = (np.random.default_rng(0).integers(-512, 512, (L, 2, H, 192, D)) / 16).astype(np.float16)
     session = LoadSession(64, 3)
@@ -135,7 +135,7 @@ def test_the_request_is_promised_its_staged_chunks_in_process(engine):
 
 
 def test_the_request_is_taken_at_its_first_chunk_and_the_chunks_that_follow_are_loaded(engine):
-    """``streams_loads``: the llm step hands the request over with one chunk in; the engine waits for the
+    """``takes_session``: the llm step hands the request over with one chunk in; the engine waits for the
     rest off TensorRT-LLM's executor (nothing submitted yet), then stages and promises all of them."""
     import threading
 

@@ -2,7 +2,7 @@
 reference payload of each zstd framing the rungs write, instead of copying every chunk's planes to
 the host to hash them.
 
-The HEVC self-test's counterpart (``bitstream.selftest``). Two *entropy profiles* (``PROFILES``):
+The HEVC self-test's counterpart (``bitstream.selftest``). Two *framings* (``FRAMINGS``):
 ``zstd``, the planes as one standard zstd frame (every entropy rung today), and ``zstd-framed``,
 the planes cut into ``frame_kb`` pieces of independent frames behind a size table
 (``simple.Zstd``), whose last piece is shorter. The level is not part of a profile: it changes how
@@ -13,7 +13,7 @@ quantized KV's, long matches, a run (RLE) and incompressible bytes (raw)), index
 digest of its CPU decode (python-zstandard); ``python -m kvcodec_tools.decoder_selftest
 --regenerate`` writes them with the HEVC streams.
 
-- ``entropy_profile(codec_params)``: the profile of a ``zstd`` chunk's parameters;
+- ``framing_of(codec_params)``: the profile of a ``zstd`` chunk's parameters;
 - ``verify(decoder) -> {profile: {"ok", "status", "detail"}}``: each reference payload decoded by
   ``decoder`` (the entropy decoder contract of ``bitstream.simple``; its output may be a tensor on
   a GPU) and compared with the reference digest: ``ok``, ``mismatch`` or ``error``; never raises.
@@ -35,7 +35,7 @@ from .selftest import REFERENCE_DIR, Mismatch, Result, checked, reference_bytes,
 
 INDEX = "entropy.json"
 FORMAT = "kvcodec-entropy-selftest/1"
-PROFILES = ("zstd", "zstd-framed")
+FRAMINGS = ("zstd", "zstd-framed")
 PARAMS: Dict[str, Dict[str, int]] = {"zstd": {"level": 3}, "zstd-framed": {"level": 3, "frame_kb": 8}}
 SHAPE = (6, 64, 120)  # 46080 bytes: 6 frames of 8 KiB, the last one shorter
 
@@ -60,7 +60,7 @@ def reference_planes(shape=SHAPE) -> np.ndarray:
     return out
 
 
-def entropy_profile(codec_params: Dict[str, Any]) -> str:
+def framing_of(codec_params: Dict[str, Any]) -> str:
     """``zstd-framed`` for a payload of ``frame_kb`` pieces, else ``zstd``."""
     return "zstd-framed" if codec_params.get("frame_kb") else "zstd"
 
@@ -85,5 +85,5 @@ def verify_one(decoder: Any, entry: Dict[str, Any], directory: Path = REFERENCE_
 
 
 def verify(decoder: Any, directory: Path = REFERENCE_DIR) -> Dict[str, Result]:
-    """Each entropy profile's reference payload decoded by ``decoder`` against its digest."""
-    return verify_all(decoder, directory, INDEX, PROFILES, verify_one, "payloads")
+    """Each framing's reference payload decoded by ``decoder`` against its digest."""
+    return verify_all(decoder, directory, INDEX, FRAMINGS, verify_one, "payloads")

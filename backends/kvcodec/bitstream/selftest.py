@@ -1,5 +1,5 @@
 """Decoder self-test: an HEVC decoder checked once, at start-up, on a reference stream of every
-stream profile the video rungs write (``bitstream.profiles``), instead of hashing every chunk it
+stream profile the video rungs write (``bitstream.stream_profiles``), instead of hashing every chunk it
 decodes on the host.
 
 Reference streams live in ``reference/`` (committed, a few KB each), made from ``FRAMES`` planes of
@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Sequence
 import numpy as np
 
 from .host import to_host
-from .profiles import PROFILES
+from .stream_profiles import STREAM_PROFILES
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 INDEX = "streams.json"
@@ -152,4 +152,4 @@ def _differing(planes: np.ndarray, entry: Dict[str, Any]) -> str:
 
 def verify(decoder: Any, directory: Path = REFERENCE_DIR) -> Dict[str, Result]:
     """Each profile's reference stream decoded by ``decoder`` against its digest."""
-    return verify_all(decoder, directory, INDEX, PROFILES, verify_one, "streams")
+    return verify_all(decoder, directory, INDEX, STREAM_PROFILES, verify_one, "streams")

@@ -43,7 +43,7 @@ class VerifiedDecoders:
                 break  # auto: PyAV is made only where NVDEC failed a profile or would not open
 
     @property
-    def verified_profiles(self) -> set:
+    def verified_stream_profiles(self) -> set:
         """The profiles some decoder here passed."""
         return {p for r in self.results.values() for p, v in r.items() if v["ok"]}
 

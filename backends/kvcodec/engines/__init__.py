@@ -28,7 +28,7 @@ Contract of an engine class:
   its own full prefill (the ``raw`` rung's promise).
 - ``engine.continuation_logprobs(past_kv, ids)``: teacher-forced next-token log-probabilities
   ``[len(ids), vocab]`` (the quality harness).
-- ``engine.max_concurrency``, ``engine.streams_loads``, ``engine.writeback_stats()``, ``engine.close()``
+- ``engine.max_concurrency``, ``engine.takes_session``, ``engine.writeback_stats()``, ``engine.close()``
   (``model_files.EngineFiles`` gives the defaults: one request at a time, no streamed loads, no
   write-back, nothing to release).
 """
@@ -87,7 +87,7 @@ class Engine(Protocol):
     max_concurrency: int
     # True: ``stream`` takes ``load=`` (a ``connector.LoadSession`` whose chunks are still arriving)
     # and loads them as they come; otherwise the llm step waits for every chunk and passes ``past_kv``
-    streams_loads: bool
+    takes_session: bool
 
     def geometry(self, tokens: int) -> Geometry: ...
 

@@ -105,7 +105,7 @@ class EngineFiles:
     ``detokenizer``."""
 
     max_concurrency = 1  # requests in flight at once (an engine that batches says more)
-    streams_loads = False  # True: ``stream(load=...)`` takes chunks still arriving
+    takes_session = False  # True: ``stream(load=LoadSession)`` takes the chunks where they are, arrived or not
     writeback = None  # the ``connector.WriteBackSink`` its misses' new chunks go to (None: it saves nothing)
 
     def writeback_stats(self) -> "Optional[dict]":

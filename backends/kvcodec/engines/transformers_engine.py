@@ -30,7 +30,7 @@ from .tokenizer import IncrementalDetokenizer
 
 class TransformersEngine(model_files.EngineFiles):
     max_concurrency = 1  # one request at a time (a dense cache per request, no batching)
-    streams_loads = False  # a dense cache: the llm step gives it the whole restored prefix at once
+    takes_session = False  # a dense cache: the llm step gives it the whole restored prefix at once
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:

@@ -11,7 +11,7 @@ engine's connector runs for real in CI.
   own connector tests use it) keeps the executor and both connector halves in this process, as the
   vLLM engine does with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so restored chunks are handed over in
   memory (``trtllm_shared.SHARED``), never through a file or CUDA IPC.
-- ``stream(ids, max_tokens, load=session)`` (``streams_loads``): the llm step hands the request over
+- ``stream(ids, max_tokens, load=session)`` (``takes_session``): the llm step hands the request over
   at its first chunk; this waits (in the step's worker thread, never on TensorRT-LLM's executor)
   until the session's usable prefix is settled, stages that KV under the prompt's prefix (in the
   pool's dtype, on its device: a device tensor from ``kv_restore`` stays there), then submits the
@@ -81,7 +81,7 @@ def connector_settings(settings, card: ModelCard, prefetch: bool) -> Dict[str, A
 
 class TrtllmEngine(model_files.EngineFiles):
     max_concurrency = 64  # requests in flight; TensorRT-LLM's executor batches them
-    streams_loads = True
+    takes_session = True  # the chunks stay where kv_restore left them (the device); waits for the settled run
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:

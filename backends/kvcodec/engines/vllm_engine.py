@@ -7,7 +7,7 @@ from many threads at once, and the requests in flight are batched by vLLM's sche
 prefill mixed.
 
 - ``stream(ids, max_tokens, past_kv=None, report=None, load=None)``: posts the request's
-  ``LoadSession`` (``load``: chunks still arriving, ``streams_loads``; or ``past_kv``, KV in hand) as
+  ``LoadSession`` (``load``: chunks still arriving, ``takes_session``; or ``past_kv``, KV in hand) as
   an ``Offer``, adds the request, yields its tokens as the engine steps. The connector loads the
   session into the request's blocks (block-aligned, at least one prompt token computed), chunk by
   chunk as they arrive while vLLM steps the other requests; ``report`` (an ``engines.StreamReport``),
@@ -96,7 +96,7 @@ def _device_dtype() -> str:
 
 class VllmEngine(model_files.EngineFiles):
     max_concurrency = 32  # requests in flight; vLLM's scheduler batches them (and queues past its KV space)
-    streams_loads = True  # takes a request at its first chunk and loads the rest as it arrives
+    takes_session = True  # takes a request at its first chunk and loads the rest as it arrives
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:

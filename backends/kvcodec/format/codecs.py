@@ -121,7 +121,7 @@ SCHEMES: Dict[str, Scheme] = {
     # the video rung's planes tiled into few large frames for NVDEC (``bitstream.tiling``: a
     # 256-token SmolLM2 chunk is one 1536x1920 frame instead of 60 of 256x192), with x265's
     # rate-distortion-optimised quantization and transform skip: at QP 13 on these planes -0.4%
-    # bytes and -3.8% squared error against the old frames (perf/results/tiling.json, planes_probe)
+    # bytes and -3.8% squared error against one frame per plane (perf/results/tiling.json, planes_probe)
     "video-tiled": Scheme("video-tiled", layout="pca10", codec="hevc",
                           codec_params={"lossless": False, "qp": 13, "preset": "medium", "bit_depth": 10, "tune": "mse",
                                         "tile": 4, "x265": "rdoq-level=1:tskip=1"},

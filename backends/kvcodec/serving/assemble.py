@@ -3,13 +3,13 @@
 
 ``arrive(info, kv) -> Arrival`` files each chunk with its request (``info.session``): the first
 chunk's arrival makes the request's ``Chunks`` (a ``connector.LoadSession`` of ``info.count``
-chunks, and the chunk infos for the statistics), so an engine that loads chunks as they arrive
-(``streams_loads``) can take the request at once; every chunk is put into the session (a copy: no
+chunks, and the chunk infos for the statistics), so an engine that takes the session
+(``takes_session``) can take the request at once; every chunk is put into the session (a copy: no
 reference is kept to the step's input buffers), or failed there when its info is not ``ok`` or its
 KV does not have the request's shape. ``Arrival.first`` marks the first chunk, ``Arrival.complete``
 the last one (every chunk's info is in); ``Chunks.assembled()`` is then an ``Assembled``: the KV of
-the longest run of good chunks from the start (in host memory; a streaming engine takes the session's
-chunks where they are, on the device when the steps ran there) (float16, or float32 once a float32 chunk, ``raw`` on
+the longest run of good chunks from the start (in host memory; an engine that takes the session
+takes its chunks where they are, on the device when the steps ran there) (float16, or float32 once a float32 chunk, ``raw`` on
 a float32 engine, is among them: float16 widens exactly) and the per-request statistics.
 ``add(info, kv)`` is the one-call form: ``None`` until the request is complete, then its
 ``Assembled``. Requests that never complete are dropped after ``ttl_s``.

@@ -25,7 +25,7 @@ payload digest and the keyed tag, checked on the bytes before decoding, and the 
 self-test. Only the first chunk of each (profile, planes shape) is still hashed on the host (one
 copy): the self-test's streams have one frame size, and NVDEC reconfigures per size. Host planes
 (PyAV, NVDEC's host mode) and profiles with no reference stream keep the digest check. Without
-``selftest``, each scheme's coder makes its own decoder, as before.
+``selftest``, each scheme's coder makes its own decoder.
 
 Entropy-coded rungs (``zstd`` payloads: int8-zstd, kvtc-w, ...) decode with the entropy decoder
 named by ``entropy`` (``bitstream.decoders.ENTROPY_DECODERS``: ``cpu``, the default; ``nvcomp`` on a
@@ -48,9 +48,9 @@ import numpy as np
 
 from ..bitstream import BitstreamCoder, entropy_selftest
 from ..bitstream.decoders import open_entropy_decoder
-from ..bitstream.entropy_selftest import entropy_profile
+from ..bitstream.entropy_selftest import framing_of
 from ..bitstream.host import host_array
-from ..bitstream.profiles import PROFILES, stream_profile
+from ..bitstream.stream_profiles import STREAM_PROFILES, stream_profile
 from ..bitstream.verified import VerifiedDecoders
 from ..encode import PAYLOAD, make_coder, planes_digest
 from ..errors import ChunkError, CorruptChunk, DecodeTimeout, ForeignChunk, KVCodecError, Unsupported
@@ -130,16 +130,16 @@ class ChunkDecoder:
         return out if (self._video is not None or tested) else None
 
     @property
-    def verified_profiles(self) -> Set[str]:
-        return set() if self._video is None else self._video.verified_profiles
+    def verified_stream_profiles(self) -> Set[str]:
+        return set() if self._video is None else self._video.verified_stream_profiles
 
     @property
     def selftest_passed(self) -> bool:
         """Every self-test run here passed: the HEVC decoder on every stream profile, a device
         entropy decoder on every zstd framing (and ``auto`` did not fall back from it)."""
-        video = self._video is None or self._video.verified_profiles == set(PROFILES)
+        video = self._video is None or self._video.verified_stream_profiles == set(STREAM_PROFILES)
         entropy = not self._entropy_fallback and (
-            self._entropy_results is None or self.verified_framings == set(entropy_selftest.PROFILES))
+            self._entropy_results is None or self.verified_framings == set(entropy_selftest.FRAMINGS))
         return video and entropy
 
     @property
@@ -212,7 +212,7 @@ class ChunkDecoder:
     def _decode_entropy(self, coder: Any, header: ChunkHeader, payload: Any) -> Tuple[Any, Optional[tuple]]:
         """A zstd payload through the entropy decoder: (planes, the (framing, shape) key when they are
         a self-tested decoder's device output, else None)."""
-        framing = entropy_profile(header.codec_params)
+        framing = framing_of(header.codec_params)
         result = None if self._entropy_results is None else self._entropy_results.get(framing)
         if result is not None and not result["ok"]:
             raise Unsupported(f"entropy decoder {self._entropy.name} failed its self-test for {framing}: "

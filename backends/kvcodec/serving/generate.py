@@ -3,9 +3,11 @@
 ``generate(engine, ids, max_tokens, source)`` yields ``Event``s, one per new token: its id,
 the text it adds (incremental detokenization: each token decodes a short window, not the whole
 answer), and on the first and the last event the request's ``RequestStats``. ``source`` is the
-request's ``Assembled`` KV, or its ``Chunks`` still arriving: an engine that ``streams_loads``
-takes the request at once with the chunks' ``LoadSession`` (loaded into its blocks as they come;
-what it took is what it reports), any other engine waits for the request to complete. The restored
+request's ``Assembled`` KV, or its ``Chunks`` still arriving: an engine that ``takes_session``
+is handed the request at once with the chunks' ``LoadSession``, where the chunks are (vLLM loads
+them into its blocks as they come; TensorRT-LLM waits for the settled run and stages it on the
+pool's device; what it took is what it reports), any other engine gets the assembled KV in host
+memory once the request is complete. The restored
 KV is checked against the model before use; if it cannot be used the whole prompt is computed: the
 answer is always the model's own. It is float16 or float32 (``raw`` on a float32 engine: its own
 KV, exactly); the engine converts it to its own dtype.
@@ -39,7 +41,7 @@ STATS_WAIT_S = 5.0  # at the first token, how long to wait for the infos of chun
 def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assembled, Chunks]) -> Iterator[Event]:
     load = None
     if isinstance(source, Chunks):
-        if engine.streams_loads:
+        if engine.takes_session:
             load = source
         else:
             source.wait_complete()

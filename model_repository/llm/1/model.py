@@ -2,7 +2,7 @@
 
 The engine comes from the registry (``engine`` setting, ``KVCODEC_ENGINE``). ``execute`` only files
 chunks (``Assembler``, on Triton's thread). An engine that loads chunks as they arrive
-(``streams_loads``: vLLM) gets the request at its first chunk, answered on a worker thread through
+(``takes_session``: vLLM) gets the request at its first chunk, answered on a worker thread through
 that chunk's response sender while the later chunks flow into its load session; any other engine
 gets the request once its chunks are all in. Up to ``engine.max_concurrency`` requests are answered
 at once (1 for the transformers engine; many for vLLM, which batches them). Every request's stream
@@ -60,7 +60,7 @@ class TritonPythonModel:
         self.engine = open_engine(self.settings)
         self.costs = for_settings(self.settings, self.engine.geometry(1).fp16_bytes)
         self.assembler = Assembler()
-        self.streams = self.engine.streams_loads and self.settings.stream_loads
+        self.streams = self.engine.takes_session and self.settings.stream_loads
         self.metrics = LlmMetrics()
         self.pb_lock = threading.Lock()  # one thread at a time in pb_utils (see the module's docstring)
         self.workers = ThreadPoolExecutor(max_workers=max(1, int(self.engine.max_concurrency)),

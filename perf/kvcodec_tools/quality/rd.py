@@ -5,7 +5,7 @@ teacher-forced log-probabilities, greedy tokens), then each setting's KV is enco
 restored and compared (``kvcodec_tools.quality.evaluate.compare``). Texts are shared out over worker processes
 (one torch thread each). Then, in the main process alone, each setting's decode + restore speed is
 measured on one text with ``--decode-threads`` threads for the decoder and for restore's torch
-matrix product (2: the issue's CPU budget), so that figure
+matrix product (2: a 2-core machine's budget), so that figure
 is not slowed by the other workers.
 
 The JSON holds every (text, setting) row, and per setting the summary: ``ratio_vs_fp16`` (total

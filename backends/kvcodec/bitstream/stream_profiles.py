@@ -3,7 +3,7 @@
 A *stream profile* is bit depth, lossless or not, x265 preset and tuning, and those of a scheme's
 x265 coding tools that the stream signals to its decoder (``SYNTAX_TOOLS``: block and transform
 sizes, SAO, sign hiding, intra smoothing, transform skip; not the encoder's search effort such as
-``rd`` or ``rdoq-level``). The rungs write four (``PROFILES``, each named after the scheme whose
+``rd`` or ``rdoq-level``). The rungs write four (``STREAM_PROFILES``, each named after the scheme whose
 ``codec_params`` it takes, ``format/codecs.py``): ``lossless8`` (HEVC Main, x265 lossless,
 ultrafast), ``video-q8`` (HEVC Main, constant QP, ultrafast), ``video`` (HEVC Main10, constant QP,
 medium, no psycho-visual tuning) and ``video-tiled`` (``video``'s with transform skip, in few large
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-PROFILES = ("lossless8", "video-q8", "video", "video-tiled")
+STREAM_PROFILES = ("lossless8", "video-q8", "video", "video-tiled")
 # x265 tools (``hevc.TOOLS``) that set flags or sizes in the stream's parameter sets
 SYNTAX_TOOLS = frozenset({"ctu", "min-cu-size", "max-tu-size", "tu-intra-depth", "sao", "signhide",
                           "strong-intra-smoothing", "tskip", "amp"})
@@ -44,7 +44,7 @@ def stream_profile(codec_params: Dict[str, Any]) -> Optional[str]:
         key = stream_key(codec_params)
     except (TypeError, ValueError):
         return None
-    for name in PROFILES:
+    for name in STREAM_PROFILES:
         if stream_key(profile_params(name)) == key:
             return name
     return None
