@@ -6,7 +6,7 @@ reference streams made again.
   every profile passed.
 - ``--regenerate [--directory D]`` encodes every profile's reference stream with the project's
   encoder (``hevc.Hevc``, the profile's rung settings, tiled where the rung tiles) and writes it with
-  its digests to ``kvcodec/bitstream/reference/`` (needs PyAV and x265), and the entropy profiles'
+  its digests to ``kvcodec/bitstream/reference/`` (needs PyAV and x265), and the entropy framings'
   reference zstd payloads (``entropy_selftest``; needs zstandard): after a change to a video rung's
   settings, ``tests/unit/test_decoder_selftest.py`` says when.
 """
@@ -58,7 +58,7 @@ def regenerate(directory: Path = selftest.REFERENCE_DIR, log=print) -> Dict[str,
 
 
 def regenerate_entropy(directory: Path = selftest.REFERENCE_DIR, log=print) -> Dict[str, Any]:
-    """Encode each entropy profile's reference payload (python-zstandard) and write it with the
+    """Encode each framing's reference payload (python-zstandard) and write it with the
     digest of its CPU decode (``entropy_selftest``)."""
     import zstandard
 
