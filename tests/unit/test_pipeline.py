@@ -418,6 +418,8 @@ def test_assembler_takes_the_dtype_of_the_first_good_chunk_not_of_a_failed_one()
 class PastRecorder:
     """An engine that records the past KV it is handed (the contract's ``geometry``, ``detokenizer``, ``stream``)."""
 
+    name, sampling_fields = "recorder", frozenset()
+
     def __init__(self):
         self.past = "not called"
 

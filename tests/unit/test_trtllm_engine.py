@@ -77,6 +77,21 @@ class FakeLLM:
         self.worker.close()
 
 
+# tensorrt_llm/sampling_params.py (1.2's LLM API): the SamplingParams fields the engine may set
+TRTLLM_SAMPLING = {"max_tokens", "end_id", "pad_id", "bad", "bad_token_ids", "stop", "stop_token_ids", "top_k", "top_p",
+                   "seed", "temperature", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+SEEN_PARAMS: list = []
+
+
+def sampling_params(**kw):
+    """TensorRT-LLM's ``SamplingParams`` as far as the engine uses it: its field names only, and a
+    temperature only where it is > 0 (its documented range)."""
+    assert set(kw) <= TRTLLM_SAMPLING, set(kw) - TRTLLM_SAMPLING
+    assert kw.get("temperature", 1.0) > 0
+    SEEN_PARAMS.append(kw)
+    return SimpleNamespace(**kw)
+
+
 @pytest.fixture
 def fake_trtllm(monkeypatch):
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
@@ -84,7 +99,7 @@ def fake_trtllm(monkeypatch):
     llm_args.KvCacheConnectorConfig = lambda **kw: SimpleNamespace(**kw)
     root = types.ModuleType("tensorrt_llm")
     root.LLM = FakeLLM
-    root.SamplingParams = lambda max_tokens, temperature: SimpleNamespace(max_tokens=max_tokens)
+    root.SamplingParams = sampling_params
     root.__path__ = []
     llmapi.__path__ = []
     for name, module in {"tensorrt_llm": root, "tensorrt_llm.llmapi": llmapi,
@@ -178,3 +193,22 @@ def test_without_tensorrt_llm_the_engine_says_what_it_needs(monkeypatch, tmp_pat
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
     with pytest.raises(Unsupported, match="TensorRT-LLM 1.2"):
         TrtllmEngine(Settings.load({"home": str(tmp_path)}, env={}))
+
+
+def test_sampling_reaches_tensorrt_llm_under_its_own_names(engine):
+    from kvcodec.engines.sampling import Sampling
+
+    session = LoadSession(64, 1)
+    session.fail(0, "missing")
+    SEEN_PARAMS.clear()
+    list(engine.stream(list(range(10)), 2, load=session))
+    assert SEEN_PARAMS[-1] == {"max_tokens": 2, "top_k": 1}  # greedy, as its LLM API defines it
+    asked = Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=7, min_tokens=2, end_id=5, bad_words=("no",),
+                     repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, stop_words=("x",))
+    list(engine.stream(list(range(10)), 2, load=session, sampling=asked))
+    assert SEEN_PARAMS[-1] == {"max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 7,
+                               "min_tokens": 2, "end_id": 5, "bad": ["no"], "repetition_penalty": 1.1,
+                               "presence_penalty": 0.2, "frequency_penalty": 0.3}  # stop words: serving.generate's
+    greedy_penalised = Sampling(repetition_penalty=1.2, seed=3)
+    list(engine.stream(list(range(10)), 2, load=session, sampling=greedy_penalised))
+    assert SEEN_PARAMS[-1] == {"max_tokens": 2, "top_k": 1, "repetition_penalty": 1.2}

@@ -22,7 +22,9 @@ Contract of an engine class:
   ``engine.detokenizer() -> Detokenizer`` (incremental: ``push(token) -> text added``).
 - ``engine.prefill_chunks(ids, chunk_tokens)``: the KV of each full chunk of ``ids``, float32
   ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (ingest, the quality harness).
-- ``engine.stream(ids, max_tokens, past_kv=None)``: greedy token ids one by one; with ``past_kv``
+- ``engine.stream(ids, max_tokens, past_kv=None, sampling=GREEDY)``: token ids one by one, picked as
+  ``sampling`` (``engines.sampling.Sampling``) asks, of which the engine honours its
+  ``sampling_fields`` (``serving.generate`` refuses a request asking for another); with ``past_kv``
   (the KV of ``ids[:n]``, ``n < len(ids)``; float16 or float32, converted to the engine's own
   dtype) only ``ids[n:]`` is computed. Its own ``kv_dtype`` KV in must give exactly the tokens of
   its own full prefill (the ``raw`` rung's promise).
@@ -35,13 +37,14 @@ Contract of an engine class:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Protocol, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..format.geometry import Geometry
 from ..registry import Registry
+from .sampling import GREEDY, Sampling
 
 KV_DTYPES = ("float16", "float32")  # what a card's ``kv_dtype`` may say (the ``native`` layout's dtypes)
 
@@ -83,11 +86,13 @@ class Detokenizer(Protocol):
 
 
 class Engine(Protocol):
+    name: str  # its registry name
     card: ModelCard
     max_concurrency: int
-    # True: ``stream`` takes ``load=`` (a ``connector.LoadSession`` whose chunks are still arriving)
-    # and loads them as they come; otherwise the llm step waits for every chunk and passes ``past_kv``
+    # True: ``stream`` takes ``load=`` (a ``connector.LoadSession`` whose chunks may still be arriving)
+    # and takes them where they are; otherwise the llm step waits for every chunk and passes ``past_kv``
     takes_session: bool
+    sampling_fields: FrozenSet[str]  # the ``Sampling`` fields ``stream`` honours (``sampling.ENGINE_FIELDS`` at most)
 
     def geometry(self, tokens: int) -> Geometry: ...
 
@@ -98,7 +103,7 @@ class Engine(Protocol):
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]: ...
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional["StreamReport"] = None, load=None) -> Iterator[int]: ...
+               report: Optional["StreamReport"] = None, load=None, sampling: Sampling = GREEDY) -> Iterator[int]: ...
 
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
 

@@ -104,7 +104,9 @@ class EngineFiles:
     for an engine instance with a ``card`` and a ``tokenizer``, ``geometry``, ``tokenize`` and
     ``detokenizer``."""
 
+    name = "this"  # the engine's registry name (``engines.ENGINES``), for messages
     max_concurrency = 1  # requests in flight at once (an engine that batches says more)
+    sampling_fields: "frozenset" = frozenset()  # the ``engines.Sampling`` fields ``stream`` honours (none: greedy only)
     takes_session = False  # True: ``stream(load=LoadSession)`` takes the chunks where they are, arrived or not
     writeback = None  # the ``connector.WriteBackSink`` its misses' new chunks go to (None: it saves nothing)
 

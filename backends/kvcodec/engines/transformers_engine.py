@@ -1,11 +1,12 @@
 """The reference engine (``transformers``): a Hugging Face causal LM on the CPU (or a GPU),
-dense cache, one request at a time, greedy decoding; the settings' model folder or the embedded
+dense cache, one request at a time; the settings' model folder or the embedded
 SmolLM2-135M-Instruct (``model_files``). It keeps the contract of ``kvcodec.engines``.
 
 - ``tokenize(text)``: the model's token ids (no special tokens added);
 - ``prefill_chunks(ids, chunk_tokens)``: runs prefill chunk by chunk and yields each chunk's KV
   as float32 ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (used by ingest);
-- ``stream(ids, max_tokens, past_kv=None)``: yields greedy token ids one by one; with
+- ``stream(ids, max_tokens, past_kv=None, sampling=GREEDY)``: yields token ids one by one (picked
+  as ``sampling`` asks, ``engines.torch_sampler``: every field of ``engines.Sampling``); with
   ``past_kv`` (the KV of ``ids[:n]``, float16 or float32) only ``ids[n:]`` is computed. At least
   one token must be left to compute. The model runs in float32 (card ``kv_dtype``): float32 KV
   from ``raw`` is its own, exactly.
@@ -25,11 +26,14 @@ from ..errors import BadRequest
 from ..format.geometry import Geometry
 from . import ModelCard, StreamReport, model_files
 from .model_files import ModelFiles
+from .sampling import ENGINE_FIELDS, GREEDY, Sampling
 from .tokenizer import IncrementalDetokenizer
 
 
 class TransformersEngine(model_files.EngineFiles):
+    name = "transformers"
     max_concurrency = 1  # one request at a time (a dense cache per request, no batching)
+    sampling_fields = ENGINE_FIELDS  # every field but stop_words (serving.generate's), by engines.torch_sampler
     takes_session = False  # a dense cache: the llm step gives it the whole restored prefix at once
 
     @classmethod
@@ -130,10 +134,14 @@ class TransformersEngine(model_files.EngineFiles):
         return cache
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[StreamReport] = None) -> Iterator[int]:
+               report: Optional[StreamReport] = None, sampling: Sampling = GREEDY) -> Iterator[int]:
+        from .torch_sampler import TokenPicker
+
         torch = self._torch
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
+        end_id = self.eos_token_id if sampling.end_id is None else sampling.end_id
+        picker = TokenPicker(sampling, ids, end_id, [self.tokenize(w) for w in sampling.bad_words], self.device)
         cache = self._new_cache()
         start = 0
         if past_kv is not None and past_kv.shape[3] > 0:
@@ -147,11 +155,11 @@ class TransformersEngine(model_files.EngineFiles):
         with torch.inference_mode():
             for step in range(max_tokens):
                 logits = self.model(input_ids=x, **{self._cache_arg: cache}, use_cache=True).logits
-                token = int(logits[0, -1].argmax())
+                token = picker.pick(logits[0, -1])
                 yield token
                 if step == 0:  # the prompt's KV is in the cache and the first token is out
                     self._save(ids, start, cache, report)
-                if token == self.eos_token_id:
+                if token == end_id:
                     return
                 x = torch.tensor([[token]], device=self.device)
 

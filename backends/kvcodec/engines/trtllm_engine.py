@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import BadRequest, Unsupported
 from . import ModelCard, StreamReport, model_files
+from .sampling import ENGINE_FIELDS, GREEDY, Sampling
 
 log = logging.getLogger("kvcodec.trtllm")
 
@@ -80,8 +81,10 @@ def connector_settings(settings, card: ModelCard, prefetch: bool) -> Dict[str, A
 
 
 class TrtllmEngine(model_files.EngineFiles):
+    name = "trtllm"
     max_concurrency = 64  # requests in flight; TensorRT-LLM's executor batches them
     takes_session = True  # the chunks stay where kv_restore left them (the device); waits for the settled run
+    sampling_fields = ENGINE_FIELDS  # every field but stop_words (serving.generate's), as its SamplingParams
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:
@@ -114,13 +117,13 @@ class TrtllmEngine(model_files.EngineFiles):
 
     # -- the contract (geometry, tokenize, detokenizer: model_files.EngineFiles) ------------------
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[StreamReport] = None, load=None) -> Iterator[int]:
+               report: Optional[StreamReport] = None, load=None, sampling: Sampling = GREEDY) -> Iterator[int]:
         from tensorrt_llm import SamplingParams
 
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
         staged = stage_restored(list(ids), load, past_kv, self.chunk_tokens, self.settings.fetch_timeout_s)
-        params = SamplingParams(max_tokens=int(max_tokens), temperature=0.0)
+        params = SamplingParams(max_tokens=int(max_tokens), **trtllm_sampling(sampling))
         first = True
         for output in self._llm.generate_async(list(ids), sampling_params=params, streaming=True):
             if first and report is not None:
@@ -174,3 +177,19 @@ def promised_tokens(ids: Sequence[int], shared=None) -> int:
 
     value = (SHARED if shared is None else shared).promised.pop(prompt_key(list(ids)))
     return int(value or 0)
+
+
+def trtllm_sampling(sampling: Sampling) -> dict:
+    """TensorRT-LLM ``SamplingParams`` arguments of ``sampling``: greedy is ``top_k=1`` (its LLM API's
+    rule, ``SamplingParams._greedy_decoding``; a temperature must be > 0 there), else the fields
+    asked for, ``bad_words`` as ``bad``; neutral values are left to its defaults."""
+    asked = sampling.asked()
+    out = {name: getattr(sampling, name) for name in asked
+           if name in ("min_tokens", "end_id", "repetition_penalty", "presence_penalty", "frequency_penalty")}
+    if sampling.greedy:
+        out["top_k"] = 1
+    else:
+        out.update((name, getattr(sampling, name)) for name in asked if name in ("temperature", "top_p", "top_k", "seed"))
+    if sampling.bad_words:
+        out["bad"] = list(sampling.bad_words)
+    return out

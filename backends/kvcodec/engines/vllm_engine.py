@@ -41,6 +41,7 @@ import numpy as np
 from ..connector.sink import sink_for_settings
 from ..errors import BadRequest, Unsupported
 from . import ModelCard, StreamReport, model_files
+from .sampling import ENGINE_FIELDS, GREEDY, Sampling
 
 log = logging.getLogger("kvcodec.vllm")
 
@@ -95,6 +96,8 @@ def _device_dtype() -> str:
 
 
 class VllmEngine(model_files.EngineFiles):
+    name = "vllm"
+    sampling_fields = ENGINE_FIELDS  # every field but stop_words (serving.generate's), as vLLM's SamplingParams
     max_concurrency = 32  # requests in flight; vLLM's scheduler batches them (and queues past its KV space)
     takes_session = True  # takes a request at its first chunk and loads the rest as it arrives
 
@@ -145,13 +148,14 @@ class VllmEngine(model_files.EngineFiles):
 
     # -- the contract (geometry, tokenize, detokenizer: model_files.EngineFiles) ------------------
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[StreamReport] = None, load=None) -> Iterator[int]:
+               report: Optional[StreamReport] = None, load=None, sampling: Sampling = GREEDY) -> Iterator[int]:
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
         if past_kv is not None and past_kv.shape[3] >= len(ids):
             raise BadRequest("restored KV covers the whole prompt; at least one token must be computed")
         save = self.writeback.for_prompt(list(ids)) if self.writeback is not None else None
-        yield from self._run(ids, max_tokens, load if load is not None else past_kv, save, report)
+        yield from self._run(ids, max_tokens, load if load is not None else past_kv, save, report,
+                             sampling=sampling)
 
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]:
         if chunk_tokens != self.chunk_tokens:
@@ -206,7 +210,7 @@ class VllmEngine(model_files.EngineFiles):
 
     # -- one request --------------------------------------------------------------------------
     def _run(self, ids, max_tokens: int, past, save, report: Optional[StreamReport],
-             extra: Optional[dict] = None) -> Iterator:
+             extra: Optional[dict] = None, sampling: Sampling = GREEDY) -> Iterator:
         """The request's tokens as they come; with ``extra`` (more sampling parameters) its one
         final ``RequestOutput`` instead. ``past``: a ``LoadSession``, KV in hand, or None."""
         from ..connector import LoadSession
@@ -218,7 +222,8 @@ class VllmEngine(model_files.EngineFiles):
                       defer=not self.settings.async_loads)
         HANDOFF.post(request_id, offer)
         tokens: "queue.Queue" = queue.Queue()
-        self._inbox.put(("add", request_id, list(ids), int(max_tokens), tokens, extra))
+        params = extra if extra else vllm_sampling(sampling)  # a scoring request's, or the sampling's
+        self._inbox.put(("add", request_id, list(ids), int(max_tokens), tokens, params))
         done = False
         try:
             while True:
@@ -258,11 +263,12 @@ class VllmEngine(model_files.EngineFiles):
                 if command[0] == "add":
                     _, request_id, ids, max_tokens, out, extra = command
                     try:
-                        kind = RequestOutputKind.FINAL_ONLY if extra else RequestOutputKind.DELTA
-                        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=kind,
-                                                **(extra or {}))
+                        whole = "logprobs" in extra  # a scoring request: its one final output
+                        kind = RequestOutputKind.FINAL_ONLY if whole else RequestOutputKind.DELTA
+                        params = SamplingParams(max_tokens=max_tokens, output_kind=kind,
+                                                **{"temperature": 0.0, **extra})
                         engine.add_request(request_id, {"prompt_token_ids": ids}, params)
-                        self._streams[request_id] = (out, bool(extra))
+                        self._streams[request_id] = (out, whole)
                     except Exception as exc:  # e.g. a prompt longer than the engine's context
                         out.put(BadRequest(str(exc)[:300]) if isinstance(exc, ValueError) else exc)
                 elif command[0] == "abort":
@@ -292,3 +298,16 @@ class VllmEngine(model_files.EngineFiles):
                 if output.finished:
                     out.put(None)
                     del self._streams[output.request_id]
+
+
+def vllm_sampling(sampling: Sampling) -> dict:
+    """``SamplingParams`` arguments of ``sampling`` (its neutral values left to vLLM's defaults);
+    ``end_id`` ends the answer in place of the model's end-of-sequence token."""
+    out = {name: getattr(sampling, name) for name in sampling.asked()
+           if name in ("temperature", "top_p", "top_k", "seed", "min_tokens", "repetition_penalty",
+                       "presence_penalty", "frequency_penalty")}
+    if sampling.end_id is not None:
+        out.update(stop_token_ids=[sampling.end_id], ignore_eos=True)
+    if sampling.bad_words:
+        out["bad_words"] = list(sampling.bad_words)
+    return out

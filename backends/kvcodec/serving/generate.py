@@ -1,8 +1,12 @@
 """Step ``llm``, its work: generate from restored KV plus the rest of the prompt.
 
-``generate(engine, ids, max_tokens, source)`` yields ``Event``s, one per new token: its id,
-the text it adds (incremental detokenization: each token decodes a short window, not the whole
-answer), and on the first and the last event the request's ``RequestStats``. ``source`` is the
+``generate(engine, ids, max_tokens, source, sampling=GREEDY)`` yields ``Event``s, one per new
+token: its id, the text it adds (incremental detokenization: each token decodes a short window,
+not the whole answer; text that may begin a stop word is held back, and the answer ends before the
+first stop word, ``serving.stops``), and on the first and the last event the request's
+``RequestStats``. ``sampling`` (``engines.Sampling``) is checked first: a field asked for that the
+engine does not honour (its ``sampling_fields``; stop words are honoured here, for every engine)
+is a ``BadRequest`` naming it. ``source`` is the
 request's ``Assembled`` KV, or its ``Chunks`` still arriving: an engine that ``takes_session``
 is handed the request at once with the chunks' ``LoadSession``, where the chunks are (vLLM loads
 them into its blocks as they come; TensorRT-LLM waits for the settled run and stages it on the
@@ -22,9 +26,11 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..engines import StreamReport
+from ..engines.sampling import GENERATE_FIELDS, GREEDY, Sampling
 from ..errors import BadRequest
 from .assemble import Assembled, Chunks
 from .stats import RequestStats
+from .stops import StopText
 
 
 @dataclass
@@ -38,7 +44,9 @@ class Event:
 STATS_WAIT_S = 5.0  # at the first token, how long to wait for the infos of chunks still coming
 
 
-def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assembled, Chunks]) -> Iterator[Event]:
+def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assembled, Chunks],
+             sampling: Sampling = GREEDY) -> Iterator[Event]:
+    sampling.check().refuse(engine.sampling_fields | GENERATE_FIELDS, engine.name)
     load = None
     if isinstance(source, Chunks):
         if engine.takes_session:
@@ -61,13 +69,14 @@ def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assemble
     n = 0
     pending: Optional[Event] = None
     report = StreamReport()
-    tokens = engine.stream(ids, max_tokens, None, report=report, load=load.session) if load is not None else \
-        engine.stream(ids, max_tokens, past, report=report)
+    tokens = engine.stream(ids, max_tokens, None, report=report, load=load.session, sampling=sampling) \
+        if load is not None else engine.stream(ids, max_tokens, past, report=report, sampling=sampling)
+    stops = StopText(sampling.stop_words)
     for token in tokens:
         if pending is not None:
             yield pending
         n += 1
-        delta = detok.push(token)
+        delta = stops.push(detok.push(token))
         if n == 1:
             if load is not None:  # the chunks' infos, now that the engine has taken what it could
                 load.wait_complete(STATS_WAIT_S)
@@ -84,13 +93,17 @@ def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assemble
             pending = Event(token, delta, False, first)
         else:
             pending = Event(token, delta, False)
+        if stops.stopped:
+            tokens.close()  # the engine ends the request (vLLM aborts it)
+            break
     if pending is None:
         raise BadRequest("max_tokens must be at least 1")
     stats.generated_tokens = n
     stats.engine.update(report.engine_stats())
     stats.generate_s = round(time.perf_counter() - t0, 6)
     stats.final = True
-    pending.text += detok.flush()
+    tail = stops.push(detok.flush())
+    pending.text += tail + stops.flush()
     pending.final = True
     pending.stats = stats
     yield pending
