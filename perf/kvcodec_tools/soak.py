@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .bench import SOURCES
+from .cli import DEFAULT_REPOSITORY, PLOT_HELP, REPO_ROOT, _list, _settings, common
 from .stats import percentile
 from .texts import cut_to_tokens, stdlib_text
 
@@ -488,3 +489,41 @@ def _load(server, prompts: List[List[int]], references, config: SoakConfig) -> T
     sampler.join()
     with lock:
         return list(outcomes), sampler.samples, wall_s
+
+
+# -- kvcodec soak ----------------------------------------------------------------------------------
+def soak_config(args):
+    """The ``SoakConfig`` of ``kvcodec soak``'s flags (exits with one line on a bad value)."""
+    try:
+        return SoakConfig(args.clients, args.duration_s, tuple(args.protocols), contexts=args.contexts,
+                          context_tokens=args.context_tokens, max_tokens=args.max_tokens,
+                          threads=args.threads if args.threads is not None else 2, sample_s=args.sample_s,
+                          warmup_s=args.warmup_s, window_s=args.window_s)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec soak: {exc}") from None
+
+
+def cmd_soak(args) -> int:
+    return run_soak(_settings(args), Path(args.model_repository), soak_config(args), Path(args.json),
+                    Path(args.plot) if args.plot else None)
+
+
+def register(sub) -> None:
+    """``kvcodec soak`` under the CLI's subcommands ``sub``."""
+    p = sub.add_parser("soak", help="concurrent clients for a while (gRPC and HTTP, reuse and prefill), every answer "
+                                    "checked, the server's RSS, fds, shm and processes sampled; exits 1 on an "
+                                    "error or growth")
+    common(p)
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, shared out over the protocols")
+    p.add_argument("--duration-s", type=float, default=300.0)
+    p.add_argument("--protocols", type=_list(str), default=["grpc", "http"])
+    p.add_argument("--contexts", type=int, default=3, help="different contexts the prompts are made of")
+    p.add_argument("--context-tokens", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between footprint samples")
+    p.add_argument("--warmup-s", type=float, default=30.0, help="the first window starts after this")
+    p.add_argument("--window-s", type=float, default=60.0, help="growth: last window's median - first window's")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reliability.json"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_soak)

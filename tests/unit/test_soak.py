@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvcodec.settings import Settings
-from kvcodec_tools.cli import _settings, build_parser, soak_config
+from kvcodec_tools.cli import _settings, build_parser
 from kvcodec_tools.soak import (
     MODES,
     RSS_GROWTH_LIMIT,
@@ -29,6 +29,7 @@ from kvcodec_tools.soak import (
     sample_tree,
     shm_matching,
     shm_usage,
+    soak_config,
     stub_regions,
     summarize,
     ttft_table,
