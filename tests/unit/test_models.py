@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvcodec.engines import model_card, open_engine
-from kvcodec.engines.model_files import ensure_model, files_for
+from kvcodec.engines.gguf import ensure_model
+from kvcodec.engines.model_files import files_for
 from kvcodec.engines.tokenizer import Tokenizer
 from kvcodec.errors import ConfigError, Unsupported
 from kvcodec.format.ladder import parse_ladder
