@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 from kvcodec.format import ladder as ladder_defaults
 
+from .cli import DEFAULT_REPOSITORY, PLOT_HELP, REPO_ROOT, _list, _settings, common
 from .stats import percentile
 from .texts import stdlib_text
 
@@ -264,3 +265,32 @@ def plot(rows: List[dict], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+# -- kvcodec bench ttft ----------------------------------------------------------------------------
+def cmd_bench_ttft(args) -> int:
+    config = BenchConfig(args.bandwidth_mbps, args.context_tokens, args.methods, ladder=args.ladder, runs=args.runs,
+                         prefill_runs=args.prefill_runs, max_tokens=args.max_tokens, delay_ms=args.delay_ms,
+                         link_mode=args.link_mode, threads=args.threads if args.threads is not None else 2)
+    return run_bench(_settings(args), Path(args.model_repository), config, Path(args.json),
+                     Path(args.plot) if args.plot else None)
+
+
+def register(sub) -> None:
+    """``kvcodec bench ttft`` under ``kvcodec bench``'s subcommands ``sub``."""
+    p = sub.add_parser("ttft", help="TTFT of every method against link bandwidth (starts link, store, server)")
+    common(p)
+    p.add_argument("--bandwidth-mbps", type=_list(float), default=[100.0, 1000.0, 10000.0])
+    p.add_argument("--context-tokens", type=_list(int), default=[1024, 4096])
+    p.add_argument("--methods", type=_list(str), default=list(METHODS),
+                   help="prefill, kvcodec (the adaptive ladder), or a rung spec (raw, int8-zstd, cachegen, video, ...)")
+    p.add_argument("--ladder", default=DEFAULT_LADDER, help="the rungs the kvcodec method chooses from")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--prefill-runs", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay of the link")
+    p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "ttft.json"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_bench_ttft)

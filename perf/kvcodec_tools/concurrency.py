@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .bench import SOURCES
+from .cli import DEFAULT_REPOSITORY, PLOT_HELP, REPO_ROOT, _list, _settings, common
 from .stats import percentile
 from .texts import stdlib_text
 
@@ -366,3 +367,38 @@ def _level(url: str, clients: int, prompts: List[List[int]], references, config:
     for t in threads:
         t.join()
     return [s for per in samples for s in per], time.perf_counter() - t0
+
+
+# -- kvcodec bench concurrency ---------------------------------------------------------------------
+def concurrency_config(args):
+    """The ``ConcurrencyConfig`` of ``kvcodec bench concurrency``'s flags (one line on a bad value)."""
+    try:
+        return ConcurrencyConfig(args.clients, requests=args.requests, context_tokens=args.context_tokens,
+                                 contexts=args.contexts, max_tokens=args.max_tokens,
+                                 threads=args.threads if args.threads is not None else 2,
+                                 servers=args.servers)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec bench concurrency: {exc}") from None
+
+
+def cmd_bench_concurrency(args) -> int:
+    return run_concurrency(_settings(args), Path(args.model_repository), concurrency_config(args), Path(args.json),
+                           Path(args.plot) if args.plot else None)
+
+
+def register(sub) -> None:
+    """``kvcodec bench concurrency`` under ``kvcodec bench``'s subcommands ``sub``."""
+    p = sub.add_parser("concurrency", help="requests/s and TTFT against concurrent clients, reuse and prefill "
+                                           "(one server, file store; merges the engine's rows into the JSON)")
+    common(p)
+    p.add_argument("--clients", type=_list(int), default=[1, 4, 8], help="client counts (1, the baseline, is added)")
+    p.add_argument("--requests", type=int, default=4, help="requests per client, alternating reuse and prefill")
+    p.add_argument("--context-tokens", type=int, default=600)
+    p.add_argument("--contexts", type=int, default=3, help="different contexts the prompts are made of")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--servers", type=int, default=1, help="tritonservers on the one store; more than 1: behind "
+                                                         "an nginx load balancer, clients through it")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "concurrency.json"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_bench_concurrency)

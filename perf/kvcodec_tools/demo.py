@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from .cli import DEFAULT_REPOSITORY, REPO_ROOT, _settings, common
 from .texts import cut_to_tokens, stdlib_path
 
 if TYPE_CHECKING:
@@ -119,3 +120,18 @@ def run_demo(settings, json_path: Path, repository: Path, rung: str = DEMO_RUNG,
     print(f"answer: {reuse.text!r}\nwrote {json_path}")
     ok = result["tokens_match"] and reuse.reused_tokens > 0
     return 0 if ok else 1
+
+
+# -- kvcodec demo ----------------------------------------------------------------------------------
+def cmd_demo(args) -> int:
+    return run_demo(_settings(args), Path(args.json), Path(args.model_repository), args.codec)
+
+
+def register(sub) -> None:
+    """``kvcodec demo`` under the CLI's subcommands ``sub``."""
+    p = sub.add_parser("demo", help="ingest a text, compare TTFT with and without reuse, write JSON")
+    common(p)
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "demo.json"))
+    p.add_argument("--codec", default="int8-zstd", help="the rung to ingest and reuse (raw: the engine's own KV)")
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_demo)

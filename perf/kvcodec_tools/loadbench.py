@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from .cli import DEFAULT_REPOSITORY, PLOT_HELP, REPO_ROOT, _list, _settings, common
 from .concurrency import QUESTION, ConcurrencyConfig, _level, context_ids, summarize
 
 SLICED = {"step_tokens": 512, "prefill_slice": 128}  # the vLLM engine's defaults
@@ -232,3 +233,39 @@ def run_load(settings, repository: Path, config: LoadConfig, json_path: Path, pl
         print(f"WRONG ANSWER ({len(failures)}): " + "; ".join(failures[:10]))
         return 1
     return 0
+
+
+# -- kvcodec bench load ----------------------------------------------------------------------------
+def cmd_bench_load(args) -> int:
+    try:
+        config = LoadConfig(args.clients, args.variants, bandwidth_mbps=args.bandwidth_mbps, requests=args.requests,
+                            context_tokens=args.context_tokens, contexts=args.contexts, max_tokens=args.max_tokens,
+                            rung=args.rung, link_mode=args.link_mode,
+                            threads=args.threads if args.threads is not None else 2)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec bench load: {exc}") from None
+    return run_load(_settings(args), Path(args.model_repository), config, Path(args.json),
+                    Path(args.plot) if args.plot else None)
+
+
+def register(sub) -> None:
+    """``kvcodec bench load`` under ``kvcodec bench``'s subcommands ``sub``."""
+    p = sub.add_parser("load", help="reuse under load: TTFT of reuse and prefill requests in flight together "
+                                    "through a shaped link, variants of the load path side by side")
+    common(p)
+    p.add_argument("--clients", type=_list(int), default=[1, 4, 8])
+    p.add_argument("--variants", type=_list(str), default=["wait", "stream", "stream-sliced"],
+                   help="of kvcodec_tools.loadbench.VARIANTS: wait, stream, stream-queued, wait-sliced, "
+                        "stream-sliced, stream-queued-sliced (sliced: smaller vLLM steps); NAME@STEP/SLICE "
+                        "sets the step's token budget and the prefill slice, like stream@1024/256")
+    p.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
+    p.add_argument("--requests", type=int, default=4, help="requests per client, alternating reuse and prefill")
+    p.add_argument("--context-tokens", type=int, default=1024)
+    p.add_argument("--contexts", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--rung", default="int8-zstd")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reuse_under_load.json"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_bench_load)

@@ -69,7 +69,7 @@ def make_inputs(tokenizer, context: str, name: str = DEFAULT_NAME, out_dir: Path
 
 
 def load_tokenizer(model_cache: Optional[Path] = None):
-    from kvcodec.engines.model_files import ensure_model
+    from kvcodec.engines.gguf import ensure_model
     from kvcodec.engines.tokenizer import Tokenizer
 
     return Tokenizer(ensure_model(model_cache or REPO_ROOT / ".cache" / "models"))

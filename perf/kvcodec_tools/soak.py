@@ -12,13 +12,10 @@
    when both protocols are asked: client ``c`` uses ``protocols[c % len(protocols)]``), each asking
    request after request (``plan``: every prompt in every mode, ``max_tokens`` each). An answer
    whose tokens differ from the reference, or a request that fails, is an error.
-5. A sampler thread, every ``sample_s``, reads for the tritonserver process and all its descendants
-   (the python stubs) from ``/proc``: resident memory (sum of RSS), open file descriptors, live
-   processes (and zombies), threads, and the python backend's shared memory: the size of the
-   regions in ``/dev/shm`` that the live stubs name on their command line (``triton_python_backend_stub
-   MODEL.py REGION ...``, the region prefix being ``triton_python_backend_shm_region_``);
-   ``shm_machine_bytes`` adds every ``triton_python_backend`` file of the machine (other servers'
-   too: information only).
+5. A sampler thread, every ``sample_s``, reads the footprint of the tritonserver process and all
+   its descendants (the python stubs) from ``/proc`` (``kvcodec_tools.procstats.sample_tree``:
+   resident memory, open file descriptors, live processes and zombies, threads, and the python
+   backend's shared memory).
 
 The result (JSON and a plot of RSS, fds, shm and processes against time):
 ``requests`` done, ``requests_per_s``, ``errors`` (failed or differing answers) with the first
@@ -40,9 +37,11 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .bench import SOURCES
+from .cli import DEFAULT_REPOSITORY, PLOT_HELP, REPO_ROOT, _list, _settings, common
+from .procstats import sample_tree
 from .stats import percentile
 from .texts import cut_to_tokens, stdlib_text
 
@@ -53,9 +52,6 @@ MODES: Dict[str, Tuple[bool, Optional[str]]] = {"prefill": (False, None), "raw":
                                                 "int8-zstd": (True, "int8-zstd")}
 RSS_GROWTH_LIMIT = 0.05  # of the first window's median RSS
 GROWTH_KEYS = ("rss_bytes", "shm_bytes", "fds", "processes")
-STUB = "triton_python_backend_stub"
-SHM_MARK = "triton_python_backend"  # in every region name: "triton_python_backend_shm_region_<uuid>"
-SHM_DIR = Path("/dev/shm")
 
 
 @dataclass
@@ -80,106 +76,6 @@ class SoakConfig:
             raise ValueError(f"protocols must be grpc and/or http, got {','.join(self.protocols)}")
         if self.duration_s <= 0 or self.sample_s <= 0 or self.window_s <= 0 or self.warmup_s < 0:
             raise ValueError("duration_s, sample_s and window_s must be > 0, warmup_s >= 0")
-
-
-# -- the process tree and its footprint (pure /proc reads) ---------------------------------------
-@dataclass
-class ProcInfo:
-    pid: int
-    state: str  # R, S, Z (zombie), ...
-    rss_bytes: int
-    threads: int
-    fds: int
-    argv: List[str]
-
-
-def _stat_fields(pid: int) -> List[str]:
-    """``/proc/PID/stat`` after the command name: [state, ppid, ...] (field 3 of proc(5) first)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def descendants(root: int) -> List[int]:
-    """Every process below ``root`` (children, their children, ...), from one pass over /proc."""
-    children: Dict[int, List[int]] = defaultdict(list)
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                children[int(_stat_fields(int(name))[1])].append(int(name))
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            out.append(child)
-            todo.append(child)
-    return sorted(out)
-
-
-def read_proc(pid: int) -> Optional[ProcInfo]:
-    """One process's state, RSS, threads, open fds and command line; None if it is gone."""
-    try:
-        fields = _stat_fields(pid)
-        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-        try:
-            fds = len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:
-            fds = 0  # a zombie has none left to list
-    except OSError:
-        return None
-    return ProcInfo(pid, fields[0], int(fields[21]) * os.sysconf("SC_PAGE_SIZE"), int(fields[17]), fds, argv)
-
-
-def stub_regions(procs: Iterable[ProcInfo]) -> Dict[str, str]:
-    """``{model instance: shm region name}`` of the python backend stubs among ``procs`` (live ones):
-    a stub runs as ``triton_python_backend_stub MODEL.py REGION DEFAULT_SIZE GROWTH PARENT_PID
-    BACKEND_DIR IPC_HANDLE INSTANCE_NAME RUNTIME``."""
-    out = {}
-    for p in procs:
-        if p.state != "Z" and p.argv and Path(p.argv[0]).name == STUB and len(p.argv) > 8:
-            out[p.argv[8]] = p.argv[2]
-    return out
-
-
-def stub_pids(root: int) -> Dict[str, int]:
-    """``{model instance ("kv_decode_0_0"): pid}`` of the live python stubs below ``root``."""
-    out = {}
-    for p in filter(None, map(read_proc, descendants(root))):
-        if p.state != "Z" and p.argv and Path(p.argv[0]).name == STUB and len(p.argv) > 8:
-            out[p.argv[8]] = p.pid
-    return out
-
-
-def shm_usage(names: Iterable[str], shm_dir: Path = SHM_DIR) -> Tuple[int, int, int]:
-    """(size, allocated bytes, files) of the files ``names`` in ``shm_dir``; missing ones count 0.
-    Size is what the region was grown to (it never shrinks: a leak shows as growth); allocated is
-    the pages touched in it."""
-    size = allocated = files = 0
-    for name in set(names):
-        try:
-            st = (Path(shm_dir) / name).stat()
-        except OSError:
-            continue
-        size, allocated, files = size + st.st_size, allocated + st.st_blocks * 512, files + 1
-    return size, allocated, files
-
-
-def shm_matching(mark: str = SHM_MARK, shm_dir: Path = SHM_DIR) -> List[str]:
-    """Names of the files in ``shm_dir`` whose name contains ``mark``."""
-    try:
-        return sorted(n for n in os.listdir(shm_dir) if mark in n)
-    except OSError:
-        return []
-
-
-def sample_tree(root: int, shm_dir: Path = SHM_DIR) -> dict:
-    """The footprint of ``root`` and all its descendants, now (see the module docstring)."""
-    procs = [p for p in map(read_proc, [root, *descendants(root)]) if p is not None]
-    live = [p for p in procs if p.state != "Z"]
-    size, allocated, files = shm_usage(stub_regions(live).values(), shm_dir)
-    machine, _, _ = shm_usage(shm_matching(SHM_MARK, shm_dir), shm_dir)
-    return {"rss_bytes": sum(p.rss_bytes for p in live), "fds": sum(p.fds for p in live),
-            "processes": len(live), "zombies": len(procs) - len(live), "threads": sum(p.threads for p in live),
-            "shm_bytes": size, "shm_allocated_bytes": allocated, "shm_regions": files, "shm_machine_bytes": machine}
 
 
 # -- growth and the flatness rule (pure) ---------------------------------------------------------
@@ -488,3 +384,41 @@ def _load(server, prompts: List[List[int]], references, config: SoakConfig) -> T
     sampler.join()
     with lock:
         return list(outcomes), sampler.samples, wall_s
+
+
+# -- kvcodec soak ----------------------------------------------------------------------------------
+def soak_config(args):
+    """The ``SoakConfig`` of ``kvcodec soak``'s flags (exits with one line on a bad value)."""
+    try:
+        return SoakConfig(args.clients, args.duration_s, tuple(args.protocols), contexts=args.contexts,
+                          context_tokens=args.context_tokens, max_tokens=args.max_tokens,
+                          threads=args.threads if args.threads is not None else 2, sample_s=args.sample_s,
+                          warmup_s=args.warmup_s, window_s=args.window_s)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec soak: {exc}") from None
+
+
+def cmd_soak(args) -> int:
+    return run_soak(_settings(args), Path(args.model_repository), soak_config(args), Path(args.json),
+                    Path(args.plot) if args.plot else None)
+
+
+def register(sub) -> None:
+    """``kvcodec soak`` under the CLI's subcommands ``sub``."""
+    p = sub.add_parser("soak", help="concurrent clients for a while (gRPC and HTTP, reuse and prefill), every answer "
+                                    "checked, the server's RSS, fds, shm and processes sampled; exits 1 on an "
+                                    "error or growth")
+    common(p)
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients, shared out over the protocols")
+    p.add_argument("--duration-s", type=float, default=300.0)
+    p.add_argument("--protocols", type=_list(str), default=["grpc", "http"])
+    p.add_argument("--contexts", type=int, default=3, help="different contexts the prompts are made of")
+    p.add_argument("--context-tokens", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between footprint samples")
+    p.add_argument("--warmup-s", type=float, default=30.0, help="the first window starts after this")
+    p.add_argument("--window-s", type=float, default=60.0, help="growth: last window's median - first window's")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reliability.json"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.set_defaults(func=cmd_soak)

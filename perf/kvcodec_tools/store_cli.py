@@ -87,7 +87,7 @@ def cmd_store_gc(args) -> int:
     return 0
 
 
-def add_store_parser(sub) -> None:
+def register(sub) -> None:
     """``kvcodec store {usage,gc}`` under the CLI's subcommands ``sub``."""
     p = sub.add_parser("store", help="capacity of a chunk store: usage, gc")
     store = p.add_subparsers(dest="store_command", required=True)

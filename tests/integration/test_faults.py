@@ -33,7 +33,7 @@ from kvcodec.serving.costs import CostModel
 from kvcodec_client import ClientError, KVCodecClient
 from kvcodec_tools.ports import free_ports
 from kvcodec_tools.procs import alive
-from kvcodec_tools.soak import descendants, read_proc, sample_tree, stub_pids
+from kvcodec_tools.procstats import descendants, read_proc, sample_tree, stub_pids
 from kvcodec_tools.tritonserver import MODELS, Ports, TritonServer
 
 from .conftest import REPO, cli, ingested_home, metric_values, text_of

@@ -16,8 +16,8 @@ import pytest
 
 from kvcodec_client import KVCodecClient
 from kvcodec_tools.ports import free_ports
+from kvcodec_tools.procstats import stub_pids
 from kvcodec_tools.repository import render
-from kvcodec_tools.soak import stub_pids
 from kvcodec_tools.tritonserver import Ports, TritonServer
 
 from .conftest import REPO, ingested_home, text_of

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvcodec.settings import Settings
-from kvcodec_tools import cli
+from kvcodec_tools import cli, tritonserver
 from kvcodec_tools.cli import build_parser
 from kvcodec_tools.ports import free_ports
 from kvcodec_tools.tritonserver import Ports, TritonServer
@@ -168,10 +168,10 @@ def test_start_failure_names_each_model_that_did_not_load(tmp_path):
                    "| kv_fetch | 1 | READY |\n"
                    "| llm    | 1       | UNAVAILABLE: Internal: ModuleNotFoundError: No module named 'x'\\n\\nAt: |\n"
                    "|        |         |   model.py(3): <module> |\n")
-    line = cli._start_failure(RuntimeError("tritonserver exited (1) while starting: [...]\nmore"), log)
+    line = tritonserver._start_failure(RuntimeError("tritonserver exited (1) while starting: [...]\nmore"), log)
     assert line == (f"tritonserver did not start: model llm: UNAVAILABLE: Internal: ModuleNotFoundError: "
                     f"No module named 'x' (log {log})")
-    bare = cli._start_failure(RuntimeError("tritonserver exited (1)\ntail"), tmp_path / "missing.log")
+    bare = tritonserver._start_failure(RuntimeError("tritonserver exited (1)\ntail"), tmp_path / "missing.log")
     assert bare.startswith("tritonserver did not start: tritonserver exited (1) (log ")
 
 

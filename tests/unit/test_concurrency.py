@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvcodec.settings import Settings
-from kvcodec_tools.cli import _settings, build_parser, concurrency_config
+from kvcodec_tools.cli import _settings, build_parser
 from kvcodec_tools.concurrency import (
     ConcurrencyConfig,
     Sample,
     add_speedups,
+    concurrency_config,
     merge,
     plan,
     plot,

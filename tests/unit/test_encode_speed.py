@@ -266,7 +266,7 @@ def test_workers_default_and_setting(monkeypatch, tmp_path, setting, workers, wa
 
 
 def test_video_ingest_times_whole_ingests_per_rung_and_workers():
-    from kvcodec_tools.encode_speed import video_ingest
+    from kvcodec_tools.encode_video_ingest import video_ingest
 
     engine = ChunkEngine()
     engine.card = None  # unbound rungs: int8-zstd and raw need no codec profile

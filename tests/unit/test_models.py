@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from kvcodec.engines import model_card, open_engine
-from kvcodec.engines.model_files import ensure_model, files_for
+from kvcodec.engines.gguf import ensure_model
+from kvcodec.engines.model_files import files_for
 from kvcodec.engines.tokenizer import Tokenizer
 from kvcodec.errors import ConfigError, Unsupported
 from kvcodec.format.ladder import parse_ladder
 from kvcodec.profiles import find_profile, require_profiles
 from kvcodec.settings import Settings
-from kvcodec_tools import cli
+from kvcodec_tools import cli, tritonserver
 from tests.other_model import GEOMETRY, ROPE_THETA, write_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -105,7 +106,7 @@ def test_a_rung_that_needs_a_profile_is_refused_until_one_is_fitted(models, smol
     err = capsys.readouterr().err
     assert code == 2 and "kvcodec ingest: codec profile" in err and "kvcodec profile fit --model" in err
     # serve starts (the fetch misses those rungs) and says why in one line
-    cli._warn_unfitted(settings)
+    tritonserver._warn_unfitted(settings)
     assert "kvcodec serve: warning: codec profile" in capsys.readouterr().err
     # a fitted profile file where the card looks for it ends the refusal
     from kvcodec.engines.model_files import profile_path
@@ -115,7 +116,7 @@ def test_a_rung_that_needs_a_profile_is_refused_until_one_is_fitted(models, smol
     path.write_bytes(b"fitted")
     assert find_profile(card.codec_profile) == path
     require_profiles(parse_ladder("kvtc-w,video", card))
-    cli._warn_unfitted(settings)
+    tritonserver._warn_unfitted(settings)
     assert capsys.readouterr().err == ""
 
 

@@ -13,23 +13,18 @@ from pathlib import Path
 import pytest
 
 from kvcodec.settings import Settings
-from kvcodec_tools.cli import _settings, build_parser, soak_config
+from kvcodec_tools.cli import _settings, build_parser
+from kvcodec_tools.procstats import ProcInfo, descendants, read_proc, sample_tree, shm_matching, shm_usage, stub_regions
 from kvcodec_tools.soak import (
     MODES,
     RSS_GROWTH_LIMIT,
     Outcome,
-    ProcInfo,
     SoakConfig,
-    descendants,
     flatness,
     growth,
     plan,
     plot,
-    read_proc,
-    sample_tree,
-    shm_matching,
-    shm_usage,
-    stub_regions,
+    soak_config,
     summarize,
     ttft_table,
     windows,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcodec.engines import StreamReport, open_engine, tokenizer
-from kvcodec.engines.model_files import ensure_model
+from kvcodec.engines.gguf import ensure_model
 from kvcodec.settings import Settings
 from tests.other_model import write_model
 

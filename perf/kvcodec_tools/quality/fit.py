@@ -10,11 +10,15 @@ and serves both.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
+
+from kvcodec_tools.cli import _settings, common
 
 
 def fit_codec_profile(settings, tokens: int, out: Optional[Path] = None, weigh: Optional[bool] = None) -> dict:
@@ -64,3 +68,23 @@ def fit_codec_profile(settings, tokens: int, out: Optional[Path] = None, weigh: 
                         "total": round(time.perf_counter() - t0, 2)},
             "variance_in_first_32_components": {"keys": round(float(share[:, 0].mean()), 4),
                                                 "values": round(float(share[:, 1].mean()), 4)}, **summary}
+
+
+# -- kvcodec profile fit ---------------------------------------------------------------------------
+def cmd_profile_fit(args) -> int:
+    print(json.dumps(fit_codec_profile(_settings(args), args.tokens, Path(args.out) if args.out else None,
+                                       weigh=args.weigh)))
+    return 0
+
+
+def register(sub) -> None:
+    """``kvcodec profile fit`` under ``kvcodec profile``'s subcommands ``sub``."""
+    p = sub.add_parser("fit", help="fit the PCA profile on the fit texts (outside the eval set) and weigh it; "
+                                   "with --model, cached for that model")
+    common(p)
+    p.add_argument("--out", help="default: backends/kvcodec/profiles/<the model card's profile>.npz; with --model, "
+                                 "<model cache>/profiles/<the model card's profile>.npz")
+    p.add_argument("--weigh", action=argparse.BooleanOptionalAction, default=None,
+                   help="add the sensitivity weights (video and kvtc-w need them; default on)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of each fit text")
+    p.set_defaults(func=cmd_profile_fit)

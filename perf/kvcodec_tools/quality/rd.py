@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from kvcodec_tools.cli import PLOT_HELP, REPO_ROOT, _list, _settings, common
+
 KL_GATE = 0.01
 TOP1_GATE = 0.95
 # The gate of each rung not gated on KL and top-1 (see the module's docstring).
@@ -324,3 +326,32 @@ def _speeds(config: RdConfig) -> Dict[str, float]:
 
 def _model_id(config: RdConfig) -> str:
     return _card(config).model_id
+
+
+# -- kvcodec rd ------------------------------------------------------------------------------------
+def cmd_rd(args) -> int:
+    settings = _settings(args)
+    config = RdConfig(settings=args.settings or DEFAULT_SETTINGS, prefix_tokens=args.prefix_tokens,
+                      continuation_tokens=args.continuation_tokens, workers=args.workers,
+                      decode_threads=args.decode_threads, texts=args.texts, chunk_tokens=settings.chunk_tokens,
+                      model_cache=str(settings.model_cache), engine=settings.engine,
+                      model=str(settings.model) if settings.model else None)
+    return run_rd(config, Path(args.json), Path(args.plot) if args.plot else None,
+                  task_path=Path(args.task_json) if args.task_json else None)
+
+
+def register(sub) -> None:
+    """``kvcodec rd`` under the CLI's subcommands ``sub``."""
+    p = sub.add_parser("rd", help="every codec at several settings over the eval set: rd.json and rd.png")
+    common(p)
+    p.add_argument("--settings", type=_list(str), help="rung specs (default: every codec at several settings)")
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2, help="processes sharing out the texts")
+    p.add_argument("--decode-threads", type=int, default=2, help="threads for the decode speed pass")
+    p.add_argument("--texts", type=int, help="only the first N texts of the eval set")
+    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "rd.json"))
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
+    p.add_argument("--task-json", help="an eval-task result: gates lossless8 on task accuracy and adds each "
+                   "measured rung's accuracy")
+    p.set_defaults(func=cmd_rd)
