@@ -269,8 +269,8 @@ class VllmEngine(model_files.EngineFiles):
                                                 **{"temperature": 0.0, **extra})
                         engine.add_request(request_id, {"prompt_token_ids": ids}, params)
                         self._streams[request_id] = (out, whole)
-                    except Exception as exc:  # e.g. a prompt longer than the engine's context
-                        out.put(BadRequest(str(exc)[:300]) if isinstance(exc, ValueError) else exc)
+                    except Exception as exc:  # e.g. a prompt longer than the engine's context, a bad word
+                        out.put(BadRequest(str(exc)[:300]) if _refused(exc) else exc)
                 elif command[0] == "abort":
                     if self._streams.pop(command[1], None) is not None:  # still running
                         engine.abort_request([command[1]])
@@ -298,6 +298,13 @@ class VllmEngine(model_files.EngineFiles):
                 if output.finished:
                     out.put(None)
                     del self._streams[output.request_id]
+
+
+def _refused(exc: Exception) -> bool:
+    """Whether vLLM refused the request itself (bad input, not a failure of the engine)."""
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(exc, (ValueError, VLLMClientError))
 
 
 def vllm_sampling(sampling: Sampling) -> dict:
