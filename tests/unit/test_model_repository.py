@@ -118,12 +118,28 @@ def test_ensemble_wiring(configs):
     assert not unused, f"produced but never used: {unused}"
 
 
-def test_ensemble_input_types(configs):
+# TensorRT-LLM's ensemble's inputs (triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt),
+# names, types and dims, then ours
+TRTLLM_INPUTS = {
+    "text_input": ("TYPE_STRING", [1]), "max_tokens": ("TYPE_INT32", [1]), "stream": ("TYPE_BOOL", [1]),
+    "temperature": ("TYPE_FP32", [1]), "top_p": ("TYPE_FP32", [1]), "frequency_penalty": ("TYPE_FP32", [1]),
+    "presence_penalty": ("TYPE_FP32", [1]), "repetition_penalty": ("TYPE_FP32", [1]), "top_k": ("TYPE_INT32", [1]),
+    "end_id": ("TYPE_INT32", [1]), "pad_id": ("TYPE_INT32", [1]), "min_tokens": ("TYPE_INT32", [1]),
+    "seed": ("TYPE_UINT64", [1]), "stop_words": ("TYPE_STRING", [-1]), "bad_words": ("TYPE_STRING", [-1]),
+    "exclude_input_in_output": ("TYPE_BOOL", [1]), "return_num_input_tokens": ("TYPE_BOOL", [1]),
+    "return_num_output_tokens": ("TYPE_BOOL", [1]),
+}
+OUR_INPUTS = {"input_ids": ("TYPE_INT32", [-1]), "reuse": ("TYPE_BOOL", [1]), "codecs": ("TYPE_STRING", [1])}
+
+
+def test_ensemble_inputs_are_tensorrt_llms_and_ours(configs):
     ens_in, ens_out = _io(configs[ENSEMBLE])
-    assert {n: TYPE_NAME(t.data_type) for n, t in ens_in.items()} == {
-        "input_ids": "TYPE_INT32", "max_tokens": "TYPE_INT32", "reuse": "TYPE_BOOL", "codecs": "TYPE_STRING"}
-    assert [n for n, t in ens_in.items() if t.optional] == ["codecs"]
-    assert TYPE_NAME(ens_out["stats"].data_type) == "TYPE_STRING"
+    assert {n: (TYPE_NAME(t.data_type), list(t.dims)) for n, t in ens_in.items()} == {**TRTLLM_INPUTS, **OUR_INPUTS}
+    assert sorted(n for n, t in ens_in.items() if not t.optional) == ["max_tokens"]  # text_input or input_ids
+    assert {n: TYPE_NAME(ens_out[n].data_type) for n in ("text_output", "num_input_tokens", "num_output_tokens",
+                                                         "output_ids", "reused_tokens", "stats")} == {
+        "text_output": "TYPE_STRING", "num_input_tokens": "TYPE_INT32", "num_output_tokens": "TYPE_INT32",
+        "output_ids": "TYPE_INT32", "reused_tokens": "TYPE_INT32", "stats": "TYPE_STRING"}
 
 
 def test_max_batch_size_is_zero_everywhere(configs):

@@ -2,7 +2,8 @@
 
 Fields: ``ids`` (the prompt's token ids), ``max_tokens`` (tokens to generate), ``reuse`` (may
 stored KV be used), ``codecs`` (rung specs this request is pinned to, or None for the server's
-ladder). ``validate(card)`` raises ``BadRequest`` (INVALID_ARG at the edge) with a short message
+ladder), ``reply`` (how the ``llm`` step answers: a ``Reply``, which travels to it as the ``params``
+JSON beside the chunks). ``validate(card)`` raises ``BadRequest`` (INVALID_ARG at the edge) with a short message
 for each malformed request:
 
 - an empty prompt; a negative token id; a token id at or above the model's vocabulary size;
@@ -11,16 +12,46 @@ for each malformed request:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 import numpy as np
 
 from ..engines import ModelCard
+from ..engines.sampling import GREEDY, Sampling
 from ..errors import BadRequest, ConfigError
 from ..format.ladder import parse_ladder
 
 MAX_TOKENS_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Reply:
+    """How the ``llm`` step answers a request (TensorRT-LLM's ensemble's flags): ``stream`` one
+    response per token with the text it adds (else one response with the whole answer),
+    ``exclude_input`` (else a whole answer starts with the prompt: its text and ids),
+    ``num_input_tokens`` / ``num_output_tokens`` (send those counts), ``sampling``."""
+
+    stream: bool = True
+    exclude_input: bool = True
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
+    sampling: Sampling = GREEDY
+
+    def to_json(self) -> str:
+        out = asdict(self)
+        out["sampling"] = {name: getattr(self.sampling, name) for name in self.sampling.asked()}
+        return json.dumps(out)
+
+    @classmethod
+    def from_json(cls, text) -> "Reply":
+        raw = json.loads(text)
+        sampling = dict(raw.pop("sampling", {}))
+        for name in ("stop_words", "bad_words"):
+            if name in sampling:
+                sampling[name] = tuple(sampling[name])
+        return cls(**raw, sampling=Sampling(**sampling))
 
 
 @dataclass
@@ -29,6 +60,7 @@ class Request:
     max_tokens: int
     reuse: bool = True
     codecs: Optional[List[str]] = None
+    reply: Reply = field(default_factory=Reply)
 
     @staticmethod
     def parse_codecs(spec: Optional[str]) -> Optional[List[str]]:
@@ -52,6 +84,7 @@ class Request:
         if ids.size + self.max_tokens > card.max_context:
             raise BadRequest(f"prompt ({ids.size} tokens) plus max_tokens ({self.max_tokens}) is longer than the "
                              f"model's context ({card.max_context})")
+        self.reply.sampling.check()
         if self.codecs:
             try:
                 parse_ladder(self.codecs)

@@ -76,7 +76,7 @@ class TritonPythonModel:
                 decoded = self.step.run(info, get_array(request, "chunk", np.uint8))  # no copy of the chunk
                 header, side = descriptor(decoded)
                 wide = decoded.planes.itemsize == 2  # numpy, or a torch tensor on the GPU (DLPack out)
-                responses.append(pb_utils.InferenceResponse(passthrough(request, "input_ids", "max_tokens") + [
+                responses.append(pb_utils.InferenceResponse(passthrough(request, "input_ids", "max_tokens", "params") + [
                     tensor("planes8", EMPTY8 if wide else decoded.planes),
                     tensor("planes16", decoded.planes if wide else EMPTY16),
                     tensor("side", side),

@@ -1,6 +1,9 @@
-"""kv_fetch: validate the request, then stream the longest stored prefix chunk by chunk.
+"""kv_fetch: read and validate the request, then stream the longest stored prefix chunk by chunk.
 
-The optional ``codecs`` input (a comma list of rung specs, e.g. ``raw`` or ``video:12``) restricts
+The request's inputs are TensorRT-LLM's ensemble's (``kvcodec.triton.interface``): ``text_input`` is
+tokenized here, with the served model's own tokenizer, once; how the llm step answers (stream,
+sampling, ...) goes on with every chunk as the ``params`` JSON (``serving.request.Reply``). The
+optional ``codecs`` input (a comma list of rung specs, e.g. ``raw`` or ``video:12``) restricts
 this request to those rungs, chosen statically; without it the server's ladder is used, chosen
 per chunk by the adaptive fetcher when the ``adaptive`` setting is on. The model is never loaded
 here: its card (identity, vocabulary, context, codec profile, KV dtype) is all this step needs.
@@ -21,24 +24,20 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from kvcodec.engines import model_card
+from kvcodec.engines import model_card, tokenizer
 from kvcodec.serving.breaker import STATES
 from kvcodec.serving.costs import for_settings
 from kvcodec.serving.fetch import Fetcher
-from kvcodec.serving.request import Request
 from kvcodec.settings import Settings
 from kvcodec.store import open_store
 from kvcodec.triton import (
     FINAL,
     error_response,
-    get_array,
-    get_scalar,
-    get_text,
-    has_input,
     model_parameters,
     tensor,
     text_tensor,
 )
+from kvcodec.triton.interface import read_request
 
 log = logging.getLogger("kvcodec.kv_fetch")
 
@@ -47,6 +46,7 @@ class TritonPythonModel:
     def initialize(self, args):
         self.settings = Settings.load(model_parameters(args))
         self.card = model_card(self.settings)
+        self.tokenizer = tokenizer(self.settings)  # the model's own: text_input -> the ids ingest keys
         self.store = open_store(self.settings.store)  # one connection pool for this instance
         costs = for_settings(self.settings, self.card.geometry(1).fp16_bytes)
         self.fetcher = Fetcher(self.store, self.card.model_id, self.settings.ladder, self.settings.chunk_tokens,
@@ -55,12 +55,8 @@ class TritonPythonModel:
         self.metrics = _StoreMetrics(self.store.url, args.get("model_instance_name", "kv_fetch"))
         self.metrics.record(self.fetcher.calls.snapshot())
 
-    def _parse(self, request) -> Request:
-        ids = get_array(request, "input_ids", np.int32, ndim=1)
-        max_tokens = int(get_scalar(request, "max_tokens", np.int32))
-        reuse = bool(get_scalar(request, "reuse", np.bool_))
-        spec = get_text(request, "codecs").decode("utf-8", "replace") if has_input(request, "codecs") else None
-        return Request(ids, max_tokens, reuse, Request.parse_codecs(spec)).validate(self.card)
+    def _parse(self, request):
+        return read_request(request, self.tokenizer.encode).validate(self.card)
 
     def execute(self, requests):
         for request in requests:
@@ -72,10 +68,11 @@ class TritonPythonModel:
                 continue
             ids_t = tensor("input_ids", req.ids)
             max_t = tensor("max_tokens", np.array([req.max_tokens], np.int32))
+            params = text_tensor("params", req.reply.to_json())
             try:
                 for info, data in self.fetcher.fetch(req.ids.tolist(), uuid.uuid4().hex, req.reuse, req.codecs):
                     chunk = np.frombuffer(data, dtype=np.uint8)
-                    sender.send(pb_utils.InferenceResponse([ids_t, max_t, tensor("chunk", chunk),
+                    sender.send(pb_utils.InferenceResponse([ids_t, max_t, params, tensor("chunk", chunk),
                                                             text_tensor("chunk_info", info.to_json())]))
             except Exception as exc:  # the stream still ends, with the error as its last response
                 log.exception("kv_fetch failed mid-stream")

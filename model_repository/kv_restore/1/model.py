@@ -40,7 +40,7 @@ class TritonPythonModel:
                 kv = self.step.run_described(info, get_text(request, "chunk_header"),
                                              get_array(request, "side", np.uint8), planes)
                 wide = kv.itemsize == 4  # numpy (a failed chunk's EMPTY_KV) or a torch tensor
-                responses.append(pb_utils.InferenceResponse(passthrough(request, "input_ids", "max_tokens") + [
+                responses.append(pb_utils.InferenceResponse(passthrough(request, "input_ids", "max_tokens", "params") + [
                     tensor("kv", EMPTY_KV if wide else kv),
                     tensor("kv32", kv if wide else EMPTY_KV32),
                     text_tensor("chunk_info", info.to_json()),

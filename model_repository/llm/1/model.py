@@ -28,10 +28,12 @@ import triton_python_backend_utils as pb_utils
 
 from kvcodec.engines import open_engine
 from kvcodec.errors import ConfigError, KVCodecError
+from kvcodec.serving.answer import pieces
 from kvcodec.serving.assemble import Assembler
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.costs import for_settings, record_request
 from kvcodec.serving.generate import generate
+from kvcodec.serving.request import Reply
 from kvcodec.settings import Settings
 from kvcodec.triton import (
     FINAL,
@@ -40,6 +42,7 @@ from kvcodec.triton import (
     get_scalar,
     get_tensor,
     get_text,
+    has_input,
     instance_count,
     model_parameters,
     tensor,
@@ -86,37 +89,41 @@ class TritonPythonModel:
                     continue
                 ids = get_array(request, "input_ids", np.int32, ndim=1).tolist()
                 max_tokens = int(get_scalar(request, "max_tokens", np.int32))
+                reply = Reply.from_json(get_text(request, "params")) if has_input(request, "params") else Reply()
             except Exception as exc:
                 self._send(sender, error_response(exc), FINAL)
                 continue
-            self.workers.submit(self._answer, sender, ids, max_tokens, source)
+            self.workers.submit(self._answer, sender, ids, max_tokens, source, reply)
         return None
 
-    def _answer(self, sender, ids, max_tokens, source):
-        """Generate and stream one request's tokens (a worker thread); always ends with FINAL."""
-        final_sent = False
-        events = generate(self.engine, ids, max_tokens, source)
+    def _answer(self, sender, ids, max_tokens, source, reply):
+        """Generate one request's answer and send it as ``reply`` asks, token by token or whole (a
+        worker thread; ``serving.answer``); always ends with FINAL."""
+        final_sent = answered = False
+        events = generate(self.engine, ids, max_tokens, source, reply.sampling)
         try:
             reused = tensor("reused_tokens", np.array([getattr(source, "reused_tokens", 0)], np.int32))
-            for event in events:
-                if event.final:
+            for piece in pieces(events, reply, ids, lambda: self.engine.tokenizer.decode(ids),
+                                lambda: self._cancelled(sender)):
+                if piece.final:
+                    answered = True
                     with self.pb_lock:
-                        self.metrics.record(event.stats)
+                        self.metrics.record(piece.stats)
                         self.metrics.writeback(self.engine)
-                    _safely(record_request, self.costs, event.stats, self.settings.chunk_tokens)
-                if event.stats:
-                    reused = tensor("reused_tokens", np.array([event.stats.reused_tokens], np.int32))
-                stats = json.dumps(event.stats.to_dict()) if event.stats else "{}"
-                self._send(sender, pb_utils.InferenceResponse([
-                    tensor("output_ids", np.array([event.token], np.int32)),
-                    text_tensor("text_output", event.text),
-                    reused,
-                    text_tensor("stats", stats),
-                ]))
-                if not event.final and self._cancelled(sender):  # the client went away: stop computing
-                    with self.pb_lock:
-                        self.metrics.cancelled()
-                    break
+                    _safely(record_request, self.costs, piece.stats, self.settings.chunk_tokens)
+                if piece.stats:
+                    reused = tensor("reused_tokens", np.array([piece.stats.reused_tokens], np.int32))
+                outputs = [tensor("output_ids", np.array(piece.ids, np.int32)), text_tensor("text_output", piece.text),
+                           reused, text_tensor("stats", json.dumps(piece.stats.to_dict()) if piece.stats else "{}")]
+                for name in ("num_input_tokens", "num_output_tokens"):
+                    if getattr(piece, name) is not None:
+                        outputs.append(tensor(name, np.array([getattr(piece, name)], np.int32)))
+                whole = piece.final and not reply.stream  # one response, the stream's last
+                self._send(sender, pb_utils.InferenceResponse(outputs), FINAL if whole else 0)
+                final_sent = final_sent or whole
+            if not answered:  # the client went away: generation stopped early
+                with self.pb_lock:
+                    self.metrics.cancelled()
         except Exception as exc:
             if not isinstance(exc, KVCodecError):
                 log.exception("generation failed")
