@@ -1,10 +1,16 @@
 """Call the ``kvcodec`` ensemble over gRPC (tritonclient streaming) or HTTP (Triton's
 ``generate_stream`` endpoint, server-sent events), and measure time-to-first-token.
 
-``KVCodecClient(url, protocol).generate(token_ids, max_tokens, reuse=True, codecs=None)`` returns a
-``GenerateResult``: the generated token ids, the text, the TTFT seen by the client (from sending
-the request to the first token's response), the total time, how many prompt tokens the server
-reused, and the server's statistics (JSON of the first and last responses, merged). ``codecs``
+``KVCodecClient(url, protocol).generate(prompt, max_tokens, reuse=True, codecs=None, **sampling)``
+returns a ``GenerateResult``: the generated token ids, the text, the TTFT seen by the client (from
+sending the request to the first token's response), the total time, how many prompt tokens the
+server reused and how many it read (``prompt_tokens``), and the server's statistics (JSON of the
+first and last responses, merged). ``prompt`` is text (sent as ``text_input``, tokenized by the
+server with the model's own tokenizer) or a sequence of token ids (``input_ids``). ``sampling``
+takes the ensemble's inputs by their TensorRT-LLM names: ``temperature``, ``top_p``, ``top_k``,
+``seed``, ``min_tokens``, ``end_id``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``, ``stop_words``, ``bad_words`` (lists of strings). The answer always streams
+(one response per token: the TTFT is measured), without the prompt. ``codecs``
 (a comma list of rung specs such as ``raw`` or ``video:12``) restricts the request to those rungs;
 left out, the server's ladder and its adaptive choice apply.
 A request the server refuses raises ``ClientError`` with the server's message and status.
@@ -26,7 +32,7 @@ import queue
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -67,11 +73,12 @@ class GenerateResult:
     reused_tokens: int
     stats: dict = field(default_factory=dict)
     failures: List[str] = field(default_factory=list)  # the server failures answered by asking again
+    prompt_tokens: Optional[int] = None  # the prompt's tokens, as the server counted them
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "text": self.text, "ttft_s": round(self.ttft_s, 6),
-                "reused_tokens": self.reused_tokens, "total_s": round(self.total_s, 6), "stats": self.stats,
-                "failures": self.failures}
+                "reused_tokens": self.reused_tokens, "prompt_tokens": self.prompt_tokens,
+                "total_s": round(self.total_s, 6), "stats": self.stats, "failures": self.failures}
 
 
 class _Collector:
@@ -82,8 +89,11 @@ class _Collector:
         self.text: List[str] = []
         self.reused = 0
         self.stats: dict = {}
+        self.prompt_tokens: Optional[int] = None
 
-    def add(self, ids, text, reused, stats) -> None:
+    def add(self, ids, text, reused, stats, prompt_tokens=None) -> None:
+        if prompt_tokens is not None:
+            self.prompt_tokens = int(prompt_tokens)
         if ids is None or len(ids) == 0:
             return
         if self.ttft is None:
@@ -98,7 +108,7 @@ class _Collector:
         if self.ttft is None:
             raise ClientError("the server sent no token")
         return GenerateResult(self.tokens, "".join(self.text), self.ttft, time.perf_counter() - self.t0,
-                              self.reused, self.stats)
+                              self.reused, self.stats, prompt_tokens=self.prompt_tokens)
 
 
 class KVCodecClient:
@@ -113,13 +123,16 @@ class KVCodecClient:
         self.timeout_s = timeout_s
         self.fallback_s = fallback_s
 
-    def generate(self, token_ids: Sequence[int], max_tokens: int, reuse: bool = True,
-                 codecs: Optional[str] = None) -> GenerateResult:
+    def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bool = True,
+                 codecs: Optional[str] = None, **sampling: Any) -> GenerateResult:
+        unknown = set(sampling) - set(SAMPLING)
+        if unknown:
+            raise ValueError(f"unknown sampling input(s): {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING)})")
         failures: List[str] = []
         deadline: Optional[float] = None
         while True:
             try:
-                result = self._once(token_ids, max_tokens, reuse and not failures, codecs)
+                result = self._once(request_inputs(prompt, max_tokens, reuse and not failures, codecs, sampling))
             except ClientError as exc:
                 if not exc.retryable or self.fallback_s <= 0:
                     raise
@@ -138,28 +151,22 @@ class KVCodecClient:
                                                    "reuse": False}
             return result
 
-    def _once(self, token_ids, max_tokens, reuse, codecs) -> GenerateResult:
+    def _once(self, inputs) -> GenerateResult:
         try:
             if self.protocol == "grpc":
-                return self._grpc(token_ids, max_tokens, reuse, codecs)
-            return self._http(token_ids, max_tokens, reuse, codecs)
+                return self._grpc(inputs)
+            return self._http(inputs)
         except (ConnectionError, http.client.HTTPException, socket.gaierror) as exc:
             raise ClientError(f"{type(exc).__name__}: {exc}", CONNECTION) from exc
 
-    def _grpc(self, token_ids, max_tokens, reuse, codecs) -> GenerateResult:
+    def _grpc(self, request) -> GenerateResult:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
         inputs = []
-        for name, array, dtype in (("input_ids", np.asarray(token_ids, np.int32), "INT32"),
-                                   ("max_tokens", np.array([max_tokens], np.int32), "INT32"),
-                                   ("reuse", np.array([reuse], np.bool_), "BOOL")):
+        for name, array, dtype in request:
             tensor = grpcclient.InferInput(name, list(array.shape), dtype)
             tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        if codecs:
-            tensor = grpcclient.InferInput("codecs", [1], "BYTES")
-            tensor.set_data_from_numpy(np.array([codecs.encode()], dtype=np.object_))
             inputs.append(tensor)
         events: "queue.Queue" = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
@@ -185,7 +192,9 @@ class KVCodecClient:
                 if ids is not None:
                     text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace")
                     stats = json.loads(result.as_numpy("stats").reshape(-1)[0] or b"{}")
-                    collector.add(ids, text, result.as_numpy("reused_tokens").reshape(-1)[0], stats)
+                    n_in = result.as_numpy("num_input_tokens")
+                    collector.add(ids, text, result.as_numpy("reused_tokens").reshape(-1)[0], stats,
+                                  None if n_in is None else n_in.reshape(-1)[0])
                 final = result.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
                     break
@@ -194,12 +203,9 @@ class KVCodecClient:
             client.stop_stream()
             client.close()
 
-    def _http(self, token_ids, max_tokens, reuse, codecs) -> GenerateResult:
+    def _http(self, request) -> GenerateResult:
         host, _, port = self.url.partition(":")
-        request = {"input_ids": [int(t) for t in token_ids], "max_tokens": int(max_tokens), "reuse": bool(reuse)}
-        if codecs:
-            request["codecs"] = codecs
-        body = json.dumps(request)
+        body = json.dumps({name: _json_value(name, array) for name, array, _ in request})
         conn = http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s)
         try:
             collector = _Collector()
@@ -219,8 +225,10 @@ class KVCodecClient:
                 if isinstance(ids, int):
                     ids = [ids]
                 stats = event.get("stats") or "{}"
+                n_in = event.get("num_input_tokens")
                 collector.add(ids, event.get("text_output", ""), _scalar(event.get("reused_tokens", 0)),
-                              json.loads(stats if isinstance(stats, str) else stats[0]))
+                              json.loads(stats if isinstance(stats, str) else stats[0]),
+                              None if n_in is None else _scalar(n_in))
             return collector.result()
         finally:
             conn.close()
@@ -228,6 +236,48 @@ class KVCodecClient:
 
 def _scalar(value):
     return value[0] if isinstance(value, list) else value
+
+
+# the ensemble's sampling inputs (TensorRT-LLM's names) and their Triton types
+SAMPLING = {"temperature": "FP32", "top_p": "FP32", "top_k": "INT32", "seed": "UINT64", "min_tokens": "INT32",
+            "end_id": "INT32", "repetition_penalty": "FP32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
+            "stop_words": "BYTES", "bad_words": "BYTES"}
+_NUMPY = {"FP32": np.float32, "INT32": np.int32, "UINT64": np.uint64, "BOOL": np.bool_}
+
+
+def request_inputs(prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bool, codecs: Optional[str],
+                   sampling: dict) -> List[Tuple[str, np.ndarray, str]]:
+    """The request's inputs as (name, array, Triton type): text as ``text_input``, token ids as
+    ``input_ids``; always streamed, the prompt left out of the answer, its token count asked for."""
+    if isinstance(prompt, str):
+        out = [("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
+    else:
+        out = [("input_ids", np.asarray(list(prompt), np.int32), "INT32")]
+    out += [("max_tokens", np.array([max_tokens], np.int32), "INT32"), ("reuse", np.array([reuse], np.bool_), "BOOL"),
+            ("stream", np.array([True]), "BOOL"), ("exclude_input_in_output", np.array([True]), "BOOL"),
+            ("return_num_input_tokens", np.array([True]), "BOOL")]
+    if codecs:
+        out.append(("codecs", np.array([codecs.encode()], dtype=np.object_), "BYTES"))
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        dtype = SAMPLING[name]
+        if dtype == "BYTES":
+            words = [value] if isinstance(value, str) else list(value)
+            out.append((name, np.array([w.encode("utf-8") for w in words], dtype=np.object_), dtype))
+        else:
+            out.append((name, np.array([value], _NUMPY[dtype]), dtype))
+    return out
+
+
+def _json_value(name: str, array: np.ndarray):
+    """The JSON form Triton's generate endpoints take: a list for the inputs of dims [-1], else the
+    one value."""
+    values = [v.decode("utf-8") if isinstance(v, bytes) else v.item() for v in array.reshape(-1)]
+    return values if name in LISTS else values[0]
+
+
+LISTS = ("input_ids", "stop_words", "bad_words")  # the inputs of dims [-1]
 
 
 def _error_text(body: bytes) -> str:

@@ -1,10 +1,13 @@
 """``kvcodec generate``: ask a running server to continue a text (``kvcodec_client.KVCodecClient``)
 and print the text and its TTFT (``--json``: one JSON object).
 
-    kvcodec generate --text-file F --max-tokens N [--protocol grpc|http] [--url U] [--no-reuse] [--json]
+    kvcodec generate (--prompt TEXT | --text-file F) --max-tokens N [--temperature T] [--top-p P]
+                     [--top-k K] [--seed S] [--stop WORD]... [--ids] [--protocol grpc|http] [--url U]
+                     [--no-reuse] [--json]
 
-It tokenizes with the engine's tokenizer and sends token ids (the engine's package is not needed);
-with no server at the address it says so in one line, at once.
+It sends the text (``text_input``: the server tokenizes it with the model's own tokenizer); with
+``--ids`` it tokenizes here with the engine's tokenizer and sends token ids (the engine's package
+is not needed). With no server at the address it says so in one line, at once.
 """
 from __future__ import annotations
 
@@ -39,20 +42,23 @@ def cmd_generate(args) -> int:
         print(f"kvcodec generate: no server at {client.url} ({args.protocol}: {unreachable}); start one with "
               f"`kvcodec serve`, or pass --url", file=sys.stderr)
         return 1
-    ids = tokenizer(settings).encode(_read_text(args.text_file))
+    text = args.prompt if args.prompt is not None else _read_text(args.text_file)
+    prompt = tokenizer(settings).encode(text) if args.ids else text
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+                "stop_words": args.stop or None}
     try:
-        result = client.generate(ids, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs)
+        result = client.generate(prompt, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs, **sampling)
     except (ClientError, ConnectionError, OSError) as exc:
         print(f"kvcodec generate: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"tokens": result.tokens, "text": result.text, "ttft_s": round(result.ttft_s, 6),
-                          "reused_tokens": result.reused_tokens, "prompt_tokens": len(ids),
+                          "reused_tokens": result.reused_tokens, "prompt_tokens": result.prompt_tokens,
                           "total_s": round(result.total_s, 6), "stats": result.stats,
                           "failures": result.failures}))
     else:
         print(result.text)
-        print(f"\n[ttft {result.ttft_s:.3f} s, reused {result.reused_tokens}/{len(ids)} prompt tokens, "
+        print(f"\n[ttft {result.ttft_s:.3f} s, reused {result.reused_tokens}/{result.prompt_tokens} prompt tokens, "
               f"{len(result.tokens)} tokens in {result.total_s:.3f} s]", file=sys.stderr)
     return 0
 
@@ -61,8 +67,16 @@ def register(sub) -> None:
     """``kvcodec generate`` under the CLI's subcommands ``sub``."""
     p = sub.add_parser("generate", help="ask the server to continue a text; prints text and TTFT")
     common(p)
-    p.add_argument("--text-file", required=True)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt's text")
+    prompt.add_argument("--text-file", help="a file holding the prompt's text")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, help="keep the likeliest tokens holding this much probability")
+    p.add_argument("--top-k", type=int, help="keep the k likeliest tokens")
+    p.add_argument("--seed", type=int, help="the seed of a sampled answer (the same seed, the same answer)")
+    p.add_argument("--stop", action="append", metavar="WORD", help="end the answer before this word (repeatable)")
+    p.add_argument("--ids", action="store_true", help="tokenize here and send token ids instead of the text")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     p.add_argument("--no-reuse", action="store_true", help="force full prefill")

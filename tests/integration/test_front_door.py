@@ -15,7 +15,7 @@ import pytest
 
 from kvcodec_client import KVCodecClient
 
-from .conftest import ingest_text, text_of
+from .conftest import cli, ingest_text, text_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -103,3 +103,21 @@ def test_bad_values_are_invalid_argument_naming_the_input(server, body, names):
         assert status == 200, answer
     else:
         assert status == 400 and names in answer.get("error", ""), (status, answer)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_kvcodec_generate_sends_text_and_sampling(settings, server, tokenizer, document, protocol):
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    prompt = document + QUESTION
+
+    def run(*flags):
+        return json.loads(cli(settings, "generate", "--prompt", prompt, "--max-tokens", "12", "--protocol", protocol,
+                              "--url", url, "--json", *flags).stdout)
+
+    text, ids = run(), run("--ids")
+    assert text["tokens"] == ids["tokens"] and text["reused_tokens"] == ids["reused_tokens"] == 512
+    assert text["prompt_tokens"] == ids["prompt_tokens"] == len(tokenizer.encode(prompt))
+    sampled = run("--temperature", "1.0", "--top-p", "0.95", "--seed", "11")
+    assert sampled["text"] == run("--temperature", "1.0", "--top-p", "0.95", "--seed", "11", "--no-reuse")["text"]
+    word = text["text"].strip()[:3]
+    assert run("--stop", word)["text"] == text["text"][:text["text"].index(word)]
