@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -116,3 +117,18 @@ def metric_values(url: str, prefix: str) -> dict:
         lines = r.read().decode().splitlines()
     return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
             if name.startswith(prefix)}
+
+
+def post(server, endpoint: str, body: dict):
+    """(HTTP status, the JSON answer, or the server-sent events' JSON objects for generate_stream)."""
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/kvcodec/{endpoint}",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            raw = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read().decode() or "{}")
+    if endpoint == "generate":
+        return status, json.loads(raw)
+    return status, [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")]

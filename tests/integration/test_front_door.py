@@ -8,33 +8,16 @@ asked; bad values are INVALID_ARG naming the input."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
 from kvcodec_client import KVCodecClient
 
-from .conftest import cli, ingest_text, text_of
+from .conftest import cli, ingest_text, post, text_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 QUESTION = "\n\n# Question: what does this module do?\n# Answer:"
-
-
-def post(server, endpoint: str, body: dict):
-    """(HTTP status, the JSON answer, or the server-sent events' JSON objects for generate_stream)."""
-    request = urllib.request.Request(f"http://{server.http_url}/v2/models/kvcodec/{endpoint}",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=300) as r:
-            raw = r.read().decode()
-            status = r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read().decode() or "{}")
-    if endpoint == "generate":
-        return status, json.loads(raw)
-    return status, [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The ensemble with ``--engine vllm`` on a real tritonserver: restored KV into vLLM's paged cache
-through our KV connector, over gRPC and HTTP; fallbacks; write-back; batched concurrent requests.
+through our KV connector, over gRPC and HTTP; fallbacks; write-back; batched concurrent requests; the
+front door (text in, sampling, stop words).
 
 vLLM lives in its own venv (``.venv-vllm``, ``make setup-vllm``); ``make test`` runs this module
 there (``make test-vllm``). One server for the module; short prompts where length does not matter.
@@ -22,7 +23,7 @@ from kvcodec_client import KVCodecClient  # noqa: E402
 from kvcodec_tools.ports import free_ports  # noqa: E402
 from kvcodec_tools.tritonserver import Ports, TritonServer  # noqa: E402
 
-from .conftest import REPO, chunk_path, cli, metric_values, replaced, text_of  # noqa: E402
+from .conftest import REPO, chunk_path, cli, metric_values, post, replaced, text_of  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -169,3 +170,26 @@ def test_eval_scores_a_codec_on_vllms_own_logits(vsettings, tokenizer, tmp_path)
                             "--continuation-tokens", "16", "--codec", "int8-zstd", "--json").stdout)
     assert report["prefix_tokens"] == 512 and 1.9 < report["ratio_vs_fp16"] < 2.3
     assert 0 < report["mean_kl"] < 0.01 and report["top1_agreement"] >= 0.9
+
+
+def test_the_front_door_on_vllm(vsettings, context_raw, tokenizer, vserver):
+    """TensorRT-LLM's interface over Triton's HTTP generate endpoints, vLLM answering: the prompt as
+    text reuses the chunks ingested from it, answered as vLLM's own prefill; sampling answers with and
+    without reuse, and a seed is refused by name on the CPU build (``vllm_engine.CPU_UNSEEDED``); stop
+    words stop; the deltas add up to the whole answer."""
+    ids, prefill = context_raw
+    body = {"text_input": tokenizer.decode(ids), "max_tokens": MAX_TOKENS, "exclude_input_in_output": True,
+            "codecs": "raw"}
+    status, greedy = post(vserver, "generate", body)
+    assert status == 200 and greedy["reused_tokens"] == 512, greedy
+    assert greedy["text_output"] == tokenizer.decode(prefill.tokens)  # the engine's own answer
+    sampled = dict(body, temperature=1.0, top_p=0.95)
+    draws = [post(vserver, "generate", dict(sampled, reuse=r)) for r in (True, False)]
+    assert [s for s, _ in draws] == [200, 200] and [a["reused_tokens"] for _, a in draws] == [512, 0], draws
+    status, refused = post(vserver, "generate", dict(sampled, seed=7))  # the CPU build: vllm_engine.CPU_UNSEEDED
+    assert status == 400 and "seed" in refused["error"], refused
+    word = greedy["text_output"].strip()[:3]
+    assert post(vserver, "generate", dict(body, stop_words=[word]))[1]["text_output"] == \
+        greedy["text_output"][:greedy["text_output"].index(word)]
+    status, events = post(vserver, "generate_stream", dict(body, stream=True))
+    assert status == 200 and "".join(e.get("text_output", "") for e in events) == greedy["text_output"]

