@@ -59,9 +59,8 @@ def test_a_seeded_sampled_request_is_the_same_with_and_without_reuse(server, doc
     assert [s for s, _ in answers] == [200] * 3
     assert [a["reused_tokens"] for _, a in answers] == [512, 0, 512]
     assert answers[0][1]["text_output"] == answers[1][1]["text_output"] == answers[2][1]["text_output"]
-    greedy = post(server, "generate", {k: v for k, v in body.items() if k not in ("temperature", "top_p", "seed")})
     others = {post(server, "generate", dict(body, seed=s))[1]["text_output"] for s in (1, 2, 3)}
-    assert greedy[1]["text_output"] != answers[0][1]["text_output"] or len(others) > 1  # it samples
+    assert len(others) > 1  # the seed matters: it samples
 
 
 def test_stop_words_stop(server, document):

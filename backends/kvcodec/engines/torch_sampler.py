@@ -28,7 +28,7 @@ class TokenPicker:
         self.end_id = int(end_id)
         self.bad_ids = [list(b) for b in bad_ids if len(b)]
         self.answer: List[int] = []
-        self._seen = torch.tensor(sorted(set(int(t) for t in prompt)), dtype=torch.long, device=device)
+        self._prompt = prompt if sampling.repetition_penalty != 1.0 else ()  # read only for that penalty
         self._counts = {}
         self._generator = None
         if not sampling.greedy:
@@ -44,7 +44,7 @@ class TokenPicker:
             if len(bad) == 1 or self.answer[-(len(bad) - 1):] == bad[:-1]:
                 logits[bad[-1]] = float("-inf")
         if s.repetition_penalty != 1.0:
-            ids = torch.cat([self._seen, torch.tensor(self.answer, dtype=torch.long, device=logits.device)]).unique()
+            ids = torch.tensor(sorted({*map(int, self._prompt), *self.answer}), dtype=torch.long, device=logits.device)
             values = logits[ids]
             logits[ids] = torch.where(values > 0, values / s.repetition_penalty, values * s.repetition_penalty)
         if self._counts and (s.presence_penalty or s.frequency_penalty):
