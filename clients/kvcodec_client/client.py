@@ -190,6 +190,7 @@ class KVCodecClient:
                     raise ClientError(message, status or "")
                 ids = result.as_numpy("output_ids")
                 if ids is not None:
+                    ids = ids.reshape(-1)  # the one row of the batch
                     text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace")
                     stats = json.loads(result.as_numpy("stats").reshape(-1)[0] or b"{}")
                     n_in = result.as_numpy("num_input_tokens")
@@ -247,8 +248,9 @@ _NUMPY = {"FP32": np.float32, "INT32": np.int32, "UINT64": np.uint64, "BOOL": np
 
 def request_inputs(prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bool, codecs: Optional[str],
                    sampling: dict) -> List[Tuple[str, np.ndarray, str]]:
-    """The request's inputs as (name, array, Triton type): text as ``text_input``, token ids as
-    ``input_ids``; always streamed, the prompt left out of the answer, its token count asked for."""
+    """The request's inputs as (name, array, Triton type), each with the ensemble's batch dimension
+    (one sequence: ``[1, ...]``): text as ``text_input``, token ids as ``input_ids``; always
+    streamed, the prompt left out of the answer, its token count asked for."""
     if isinstance(prompt, str):
         out = [("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")]
     else:
@@ -267,7 +269,7 @@ def request_inputs(prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bo
             out.append((name, np.array([w.encode("utf-8") for w in words], dtype=np.object_), dtype))
         else:
             out.append((name, np.array([value], _NUMPY[dtype]), dtype))
-    return out
+    return [(name, array[None], dtype) for name, array, dtype in out]
 
 
 def _json_value(name: str, array: np.ndarray):

@@ -1,13 +1,20 @@
 """perf_analyzer ``--input-data`` files for the ``kvcodec`` ensemble, made with the model's tokenizer.
 
-A prompt is the token ids of a context text followed by the ids of a short question (ids are
-concatenated, so the context's ids are exactly the prompt's prefix and every stored chunk of the
-context matches). For one context, under a name N, this writes into the output folder:
+A prompt is a context text followed by a short question, sent as text (the ensemble's
+``text_input``, tokenized by the server with the model's own tokenizer, as ingest tokenizes the
+context: every stored full chunk of the context matches; a BPE merge where the question meets the
+context touches only the partial chunk at its end). For one context, under a name N, this writes
+into the output folder:
 
     N.context.txt   the context text (what ``kvcodec ingest --text-file`` must store)
-    N.reuse.json    {"data": [{"input_ids": {"content": [...], "shape": [T]}, "max_tokens": [M], "reuse": [true]}]}
+    N.reuse.json    {"data": [{"text_input": [prompt], "max_tokens": [M], "reuse": [true], "stream": [true],
+                               "exclude_input_in_output": [true]}]}
     N.prefill.json  the same with "reuse": [false] (the full-prefill baseline)
-    N.meta.json     context_tokens, prompt_tokens, max_tokens, question, source, tokenizer
+    N.meta.json     context_tokens, prompt_tokens (the prompt's tokens as the server counts them),
+                    max_tokens, question, source, tokenizer
+
+``input_data`` also writes the token-id form (``input_ids``), which the ensemble still takes.
+Shapes are written without the ensemble's batch dimension: perf_analyzer adds it (batch size 1).
 
 ``perf/inputs/default.*`` are committed: the demo's context (just over 1300 tokens of whole lines
 of the standard library's ``json/decoder.py``). Regenerate, or make another context's files::
@@ -21,7 +28,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from kvcodec_tools.texts import cut_to_tokens
 
@@ -33,11 +40,14 @@ QUESTION = "\n\n# Question: what does this code do?\n# Answer:"
 MAX_TOKENS = 4
 
 
-def input_data(prompt_ids: Sequence[int], max_tokens: int, reuse: bool) -> dict:
-    """One perf_analyzer input-data document: a single request, sent again and again."""
-    ids = [int(t) for t in prompt_ids]
-    return {"data": [{"input_ids": {"content": ids, "shape": [len(ids)]},
-                      "max_tokens": [int(max_tokens)], "reuse": [bool(reuse)]}]}
+def input_data(prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bool) -> dict:
+    """One perf_analyzer input-data document: a single request, sent again and again; text as
+    ``text_input`` (streamed, the answer without the prompt), token ids as ``input_ids``."""
+    common = {"max_tokens": [int(max_tokens)], "reuse": [bool(reuse)]}
+    if isinstance(prompt, str):
+        return {"data": [{"text_input": [prompt], **common, "stream": [True], "exclude_input_in_output": [True]}]}
+    ids = [int(t) for t in prompt]
+    return {"data": [{"input_ids": {"content": ids, "shape": [len(ids)]}, **common}]}
 
 
 def paths(name: str, out_dir: Path = INPUTS_DIR) -> dict:
@@ -55,13 +65,13 @@ def make_inputs(tokenizer, context: str, name: str = DEFAULT_NAME, out_dir: Path
     if not 1 <= max_tokens <= 4096:
         raise ValueError(f"max_tokens must be in 1..4096, got {max_tokens}")
     context_ids: List[int] = tokenizer.encode(context)
-    prompt_ids = context_ids + tokenizer.encode(question)
+    prompt = context + question
     files = paths(name, out_dir)
     files["context"].parent.mkdir(parents=True, exist_ok=True)
     files["context"].write_text(context, encoding="utf-8")
     for kind, reuse in (("reuse", True), ("prefill", False)):
-        files[kind].write_text(json.dumps(input_data(prompt_ids, max_tokens, reuse)) + "\n")
-    meta = {"name": name, "context_tokens": len(context_ids), "prompt_tokens": len(prompt_ids),
+        files[kind].write_text(json.dumps(input_data(prompt, max_tokens, reuse)) + "\n")
+    meta = {"name": name, "context_tokens": len(context_ids), "prompt_tokens": len(tokenizer.encode(prompt)),
             "max_tokens": max_tokens, "question": question, "source": source,
             "tokenizer": "SmolLM2-135M-Instruct (kvcodec.engines.tokenizer.Tokenizer)"}
     files["meta"].write_text(json.dumps(meta, indent=2) + "\n")

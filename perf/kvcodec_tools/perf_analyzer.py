@@ -187,14 +187,21 @@ def summarize(ttfts: Sequence[float]) -> dict:
 
 
 def _input_facts(input_json: Path) -> dict:
+    """prompt_tokens, max_tokens and reuse of an input-data file; a text prompt's token count from
+    the ``N.meta.json`` that ``make_inputs`` writes beside ``N.reuse.json`` / ``N.prefill.json``."""
     try:
         first = json.loads(Path(input_json).read_text())["data"][0]
-        ids = first["input_ids"]
-        ids = ids["content"] if isinstance(ids, dict) else ids
-        return {"prompt_tokens": len(ids), "max_tokens": int(first["max_tokens"][0]),
+        if "text_input" in first:
+            meta = Path(input_json).with_name(Path(input_json).name.split(".")[0] + ".meta.json")
+            prompt_tokens = int(json.loads(meta.read_text())["prompt_tokens"])
+        else:
+            ids = first["input_ids"]
+            prompt_tokens = len(ids["content"] if isinstance(ids, dict) else ids)
+        return {"prompt_tokens": prompt_tokens, "max_tokens": int(first["max_tokens"][0]),
                 "reuse": bool(first["reuse"][0])}
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise PerfAnalyzerError(f"{input_json}: not a kvcodec perf_analyzer input-data file ({exc})") from None
+        raise PerfAnalyzerError(f"{input_json}: not a kvcodec perf_analyzer input-data file, or a text one without "
+                                f"its N.meta.json ({exc})") from None
 
 
 def _tail(text: str, chars: int = 3000) -> str:

@@ -94,15 +94,15 @@ def ingest(settings, context_file: Path) -> dict:
     return {"chunks": report.chunks, "written": report.written, "bytes_written": report.bytes_written}
 
 
-def _measure(server, target: Target, inputs, prompt_ids, meta, args, home: Path) -> Optional[List[dict]]:
+def _measure(server, target: Target, inputs, prompt: str, meta, args, home: Path) -> Optional[List[dict]]:
     """Warm up, check the reuse prompt reuses, then perf_analyzer on each input file."""
     from kvcodec_client.client import KVCodecClient
 
     client = KVCodecClient(server.grpc_url, "grpc")
-    client.generate(prompt_ids[:32], 2, reuse=False)  # warm-up: first calls pay one-time costs
-    client.generate(prompt_ids, 1, reuse=True)  # the fetcher's first estimate of the link
-    check = client.generate(prompt_ids, 1, reuse=True)
-    print(f"  reuse check: {check.reused_tokens} of {len(prompt_ids)} prompt tokens reused", flush=True)
+    client.generate(prompt[:100], 2, reuse=False)  # warm-up: first calls pay one-time costs
+    client.generate(prompt, 1, reuse=True)  # the fetcher's first estimate of the link
+    check = client.generate(prompt, 1, reuse=True)
+    print(f"  reuse check: {check.reused_tokens} of {check.prompt_tokens} prompt tokens reused", flush=True)
     if check.reused_tokens <= 0:
         print(f"run_perf: the reuse prompt reused nothing (stats {check.stats})", file=sys.stderr)
         return None
@@ -161,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.max_tokens != make_inputs.MAX_TOKENS:
             p.error("--max-tokens other than the committed inputs' needs --text-file")
     meta = json.loads(files["meta"].read_text())
-    prompt_ids = json.loads(files["reuse"].read_text())["data"][0]["input_ids"]["content"]
+    [prompt] = json.loads(files["reuse"].read_text())["data"][0]["text_input"]
     print(f"context: {meta['context_tokens']} tokens ({meta['source']}), prompt {meta['prompt_tokens']} tokens, "
           f"max_tokens {meta['max_tokens']}", flush=True)
 
@@ -184,7 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"[{target.label}] tritonserver ready in {time.perf_counter() - t0:.1f} s "
                   f"(gRPC {server.grpc_url}, log {server.log_path}){'; link ' + link['kind'] if link else ''}",
                   flush=True)
-            got = _measure(server, target, inputs, prompt_ids, meta, args, home)
+            got = _measure(server, target, inputs, prompt, meta, args, home)
             if got is None:
                 return 1
             for row in got:

@@ -170,7 +170,7 @@ def _stream_error(server, tensors):
     import tritonclient.grpc as grpcclient
 
     inputs = []
-    for name, array, dtype in tensors:
+    for name, array, dtype in tensors:  # as given: the batch dimension is the caller's
         tensor = grpcclient.InferInput(name, list(array.shape), dtype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
@@ -185,21 +185,24 @@ def _stream_error(server, tensors):
 
 
 def test_wrong_dtype_is_refused(server):
-    error = _stream_error(server, [("input_ids", np.array([1, 2, 3], np.float32), "FP32"),
-                                   ("max_tokens", np.array([4], np.int32), "INT32"),
-                                   ("reuse", np.array([True]), "BOOL")])
+    error = _stream_error(server, [("input_ids", np.array([[1, 2, 3]], np.float32), "FP32"),
+                                   ("max_tokens", np.array([[4]], np.int32), "INT32"),
+                                   ("reuse", np.array([[True]]), "BOOL")])
     assert error is not None and "FP32" in error.message(), error
 
 
 def test_wrong_shape_is_refused(server):
-    error = _stream_error(server, [("input_ids", np.array([[1, 2], [3, 4]], np.int32), "INT32"),
-                                   ("max_tokens", np.array([4], np.int32), "INT32"),
-                                   ("reuse", np.array([True]), "BOOL")])
+    error = _stream_error(server, [("input_ids", np.array([[[1, 2], [3, 4]]], np.int32), "INT32"),
+                                   ("max_tokens", np.array([[4]], np.int32), "INT32"),
+                                   ("reuse", np.array([[True]]), "BOOL")])
     assert error is not None and "shape" in error.message(), error
-    error = _stream_error(server, [("input_ids", np.array([1, 2], np.int32), "INT32"),
-                                   ("max_tokens", np.array([4, 5], np.int32), "INT32"),
-                                   ("reuse", np.array([True]), "BOOL")])
+    error = _stream_error(server, [("input_ids", np.array([[1, 2]], np.int32), "INT32"),
+                                   ("max_tokens", np.array([[4, 5]], np.int32), "INT32"),
+                                   ("reuse", np.array([[True]]), "BOOL")])
     assert error is not None and "shape" in error.message(), error
+    error = _stream_error(server, [("input_ids", np.array([1, 2], np.int32), "INT32"),  # no batch dimension
+                                   ("max_tokens", np.array([4], np.int32), "INT32")])
+    assert error is not None and "batch size does not match" in error.message(), error
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

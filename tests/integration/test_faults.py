@@ -338,8 +338,8 @@ def grpc_first_token_then_gone(server, ids, max_tokens: int) -> list:
     for name, array, dtype in (("input_ids", np.asarray(ids, np.int32), "INT32"),
                                ("max_tokens", np.array([max_tokens], np.int32), "INT32"),
                                ("reuse", np.array([True]), "BOOL")):
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
+        tensor = grpcclient.InferInput(name, [1, *array.shape], dtype)  # the batch dimension
+        tensor.set_data_from_numpy(array[None])
         inputs.append(tensor)
     answers: "queue.Queue" = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -351,7 +351,7 @@ def grpc_first_token_then_gone(server, ids, max_tokens: int) -> list:
             assert error is None, error
             tokens = result.as_numpy("output_ids")
             if tokens is not None and tokens.size:
-                return tokens.tolist()
+                return tokens.reshape(-1).tolist()
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()

@@ -32,9 +32,10 @@ def test_perf_analyzer_ttft_reuse_and_prefill(server, settings, tokenizer, perf_
     meta = make_inputs(tokenizer, context, "tiny", tmp_path / "inputs", max_tokens=2, source="textwrap.py")
     files = meta["files"]
 
-    prompt = json.loads(open(files["reuse"]).read())["data"][0]["input_ids"]["content"]
+    [prompt] = json.loads(open(files["reuse"]).read())["data"][0]["text_input"]  # text, as the server takes it
     check = KVCodecClient(server.grpc_url, "grpc").generate(prompt, 1, reuse=True)
     assert check.reused_tokens >= settings.chunk_tokens  # this prompt takes the reused path
+    assert check.prompt_tokens == meta["prompt_tokens"]
 
     # perf_analyzer's own stability rule (3 windows within 50%) can miss on a shared machine:
     # run_targets then measures again with windows within 100% of each other
@@ -46,7 +47,7 @@ def test_perf_analyzer_ttft_reuse_and_prefill(server, settings, tokenizer, perf_
     reuse, prefill = written["rows"]
     for row in (reuse, prefill):
         assert row["label"] == "local" and row["bandwidth_mbps"] is None
-        assert row["context_tokens"] == meta["context_tokens"] and row["prompt_tokens"] == len(prompt)
+        assert row["context_tokens"] == meta["context_tokens"] and row["prompt_tokens"] == meta["prompt_tokens"]
         assert row["requests"] >= 2 * 3  # at least 3 windows of 2 requests
         assert 0 < row["ttft_min_s"] <= row["ttft_p50_s"] <= row["ttft_p90_s"]
         assert "--streaming" in row["perf_analyzer_args"]

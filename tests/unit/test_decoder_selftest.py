@@ -565,6 +565,7 @@ def _request(chunk: bytes) -> dict:
     values = {"chunk_info": np.array([info.to_json().encode()], dtype=object),
               "chunk": np.frombuffer(chunk, np.uint8), "input_ids": np.zeros(3, np.int32),
               "max_tokens": np.array([4], np.int32)}
+    values = {name: v[None] for name, v in values.items()}  # the batch dimension
     return {name: types.SimpleNamespace(name=name, value=v, as_numpy=lambda v=v: v, is_cpu=lambda: True)
             for name, v in values.items()}
 
@@ -578,7 +579,7 @@ def test_kv_decode_on_a_gpu_instance_builds_the_decoder_on_that_gpu_and_logs_its
     assert set(json.loads(message.split("self-test: ", 1)[1])["nvdec"]) == set(selftest.STREAM_PROFILES)
     [response] = model.execute([_request(_chunk("lossless8"))])
     assert response.error is None
-    planes = response.tensors["planes8"].value  # a CPU tensor stands for the GPU one: sent as numpy
+    planes = response.tensors["planes8"].value[0]  # a CPU tensor stands for the GPU one: sent as numpy
     want = ChunkDecoder(MODEL, auth=AUTH).decode(_chunk("lossless8"), key=KEY).planes
     assert np.array_equal(planes, want) and response.tensors["planes16"].value.size == 0
     model.finalize()

@@ -142,9 +142,10 @@ def test_ensemble_inputs_are_tensorrt_llms_and_ours(configs):
         "output_ids": "TYPE_INT32", "reused_tokens": "TYPE_INT32", "stats": "TYPE_STRING"}
 
 
-def test_max_batch_size_is_zero_everywhere(configs):
-    """The shapes above are written without a batch dimension."""
-    assert {n: c.max_batch_size for n, c in configs.items()} == dict.fromkeys(configs, 0)
+def test_every_model_has_a_batch_dimension_of_one(configs):
+    """TensorRT-LLM's ensemble has a batch dimension (the OpenAI frontend sends ``[[...]]``); Triton
+    lets an ensemble have one only when every step has one (the dims above are written without it)."""
+    assert {n: c.max_batch_size for n, c in configs.items()} == dict.fromkeys(configs, 1)
 
 
 def test_restored_kv_travels_typed_to_llm(configs):

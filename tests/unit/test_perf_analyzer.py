@@ -16,6 +16,7 @@ from kvcodec_tools.perf_analyzer import (
     PerfAnalyzerError,
     Target,
     UnstableMeasurement,
+    _input_facts,
     check_output,
     perf_analyzer_args,
     reported_p50_latency_s,
@@ -108,7 +109,10 @@ def test_target_parse():
 
 
 def test_input_data_document():
-    doc = input_data([1, 2, 3], 4, reuse=False)
+    doc = input_data("def f(x):", 4, reuse=False)
+    assert doc == {"data": [{"text_input": ["def f(x):"], "max_tokens": [4], "reuse": [False], "stream": [True],
+                             "exclude_input_in_output": [True]}]}
+    doc = input_data([1, 2, 3], 4, reuse=False)  # the token-id interface
     assert doc == {"data": [{"input_ids": {"content": [1, 2, 3], "shape": [3]}, "max_tokens": [4],
                              "reuse": [False]}]}
 
@@ -119,10 +123,13 @@ def test_committed_default_inputs_match_their_meta():
     reuse = json.loads((inputs / "default.reuse.json").read_text())["data"][0]
     prefill = json.loads((inputs / "default.prefill.json").read_text())["data"][0]
     assert reuse["reuse"] == [True] and prefill["reuse"] == [False]
-    assert reuse["input_ids"] == prefill["input_ids"]
-    assert len(reuse["input_ids"]["content"]) == reuse["input_ids"]["shape"][0] == meta["prompt_tokens"]
+    assert reuse["text_input"] == prefill["text_input"]
+    context = (inputs / "default.context.txt").read_text(encoding="utf-8")
+    assert reuse["text_input"] == [context + meta["question"]]
     assert meta["context_tokens"] < meta["prompt_tokens"]
     assert reuse["max_tokens"] == [meta["max_tokens"]]
+    assert _input_facts(inputs / "default.reuse.json") == {"prompt_tokens": meta["prompt_tokens"],
+                                                           "max_tokens": meta["max_tokens"], "reuse": True}
 
 
 class _WordTokenizer:

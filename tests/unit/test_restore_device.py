@@ -400,7 +400,7 @@ def _request(d: Decoded, info: ChunkInfo, planes=None) -> dict:
                "chunk_header": np.array([header.encode()], dtype=object), "side": side,
                "planes8": empty8 if wide else planes, "planes16": planes if wide else empty16,
                "input_ids": np.zeros(3, np.int32), "max_tokens": np.array([4], np.int32)}
-    return {name: FakeTensor(name, value) for name, value in tensors.items()}
+    return {name: FakeTensor(name, value[None]) for name, value in tensors.items()}  # the batch dimension
 
 
 @pytest.mark.parametrize("name", ["int8-zstd", "raw", "video"])
@@ -411,7 +411,7 @@ def test_kv_restore_sends_the_kv_of_its_dtype_on_a_cpu_instance_as_numpy(name, d
     info = ChunkInfo("s", 0, 1, token_start=512, tokens=256)
     [response] = model.execute([_request(d, info)])
     assert response.error is None
-    kv, kv32 = response.tensors["kv"].value, response.tensors["kv32"].value
+    kv, kv32 = response.tensors["kv"].value[0], response.tensors["kv32"].value[0]  # the one row of the batch
     full, empty = (kv32, kv) if name == "raw" else (kv, kv32)
     assert isinstance(full, np.ndarray) and full.flags.c_contiguous and np.array_equal(full, restore(d))
     assert empty.shape == (0, 2, 0, 0, 0) and kv.dtype == np.float16 and kv32.dtype == np.float32
@@ -440,4 +440,4 @@ def test_kv_restore_on_a_gpu_instance_sends_the_kv_through_dlpack(decoded, pb_ut
     cuda_planes = torch.from_numpy(np.array(d.planes)).cuda()
     [response] = model.execute([_request(d, ChunkInfo("s", 0, 1, token_start=512, tokens=256), cuda_planes)])
     kind, kv = response.tensors["kv"].value
-    assert kind == "dlpack" and kv.device.type == "cuda" and np.array_equal(kv.cpu().numpy(), restore(d))
+    assert kind == "dlpack" and kv.device.type == "cuda" and np.array_equal(kv[0].cpu().numpy(), restore(d))

@@ -15,6 +15,13 @@ an output from numpy or from a torch tensor: on a GPU through DLPack (no host co
 numpy (one copy into Triton's memory either way). ``instance_device(args)`` is the model instance's
 device (``KIND_GPU``: ``cuda:<model_instance_device_id>``, else the CPU). ``instance_count(args)``
 is how many instances the model's ``instance_group`` makes (``count`` per GPU for ``KIND_GPU``).
+
+The batch dimension: every model of the repository has ``max_batch_size: 1``, as TensorRT-LLM's
+ensemble has one (Triton lets an ensemble batch only when every step does, and the OpenAI frontend
+and genai-perf send ``[[...]]``). A request is one sequence: each input arrives shaped
+``[1, *dims]``, and ``get_array`` / ``get_tensor`` / ``get_text`` / ``get_scalar`` hand back the one
+row (``BATCH`` is that leading dimension's size); ``tensor`` and ``text_tensor`` put the dimension
+back on each output. ``passthrough`` sends inputs on as they came, dimension and all.
 """
 from __future__ import annotations
 
@@ -66,11 +73,15 @@ def instance_device(args: Dict[str, str]) -> "torch.device":
     return torch.device("cpu")
 
 
+BATCH = 1  # the leading dimension of every input and output: one sequence a request
+
+
 def get_array(request, name: str, dtype, ndim: Optional[int] = None, required: bool = True) -> Optional[np.ndarray]:
+    """Input ``name``'s one row as numpy (an input Triton left on a GPU is copied to the host)."""
     tensor = _input(request, name, required)
     if tensor is None:
         return None
-    array = tensor.as_numpy() if tensor.is_cpu() else _on_device(tensor).cpu().numpy()
+    array = _row(name, tensor.as_numpy() if tensor.is_cpu() else _on_device(tensor).cpu().numpy())
     _check(name, array, dtype, ndim)
     return array
 
@@ -79,9 +90,17 @@ def get_tensor(request, name: str, dtype, ndim: Optional[int] = None) -> Union[n
     """Input ``name`` where Triton put it: numpy in host memory, or a torch tensor on the GPU that
     holds it (``FORCE_CPU_ONLY_INPUT_TENSORS: "no"``; DLPack: no copy)."""
     tensor = _input(request, name, True)
-    value = tensor.as_numpy() if tensor.is_cpu() else _on_device(tensor)
+    value = _row(name, tensor.as_numpy() if tensor.is_cpu() else _on_device(tensor))
     _check(name, value, dtype, ndim)
     return value
+
+
+def _row(name: str, value):
+    """The one row of a batched input (a view: no copy)."""
+    shape = list(value.shape)
+    if not shape or shape[0] != BATCH:
+        raise BadRequest(f"input {name!r} must hold one sequence (batch size {BATCH}), got shape {shape}")
+    return value[0]
 
 
 def _input(request, name: str, required: bool):
@@ -122,13 +141,14 @@ def get_scalar(request, name: str, dtype) -> Any:
 
 
 def tensor(name: str, value) -> "pb_utils.Tensor":
-    """An output tensor from numpy, or from a torch tensor: a GPU one through DLPack (C-contiguous,
-    as the python backend requires; no host copy), a CPU one as numpy (its own memory)."""
+    """An output tensor (the batch dimension put in front) from numpy, or from a torch tensor: a GPU
+    one through DLPack (C-contiguous, as the python backend requires; no host copy), a CPU one as
+    numpy (its own memory)."""
     if isinstance(value, np.ndarray):
-        return pb_utils.Tensor(name, np.ascontiguousarray(value))
+        return pb_utils.Tensor(name, np.ascontiguousarray(value[None]))
     if value.device.type == "cpu":
-        return pb_utils.Tensor(name, np.ascontiguousarray(value.numpy()))
-    return pb_utils.Tensor.from_dlpack(name, _c_order(value))
+        return pb_utils.Tensor(name, np.ascontiguousarray(value.numpy()[None]))
+    return pb_utils.Tensor.from_dlpack(name, _c_order(value.unsqueeze(0)))
 
 
 def _c_order(t: "torch.Tensor") -> "torch.Tensor":
@@ -155,7 +175,7 @@ def has_input(request, name: str) -> bool:
 
 def text_tensor(name: str, text) -> "pb_utils.Tensor":
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-    return pb_utils.Tensor(name, np.array([data], dtype=np.object_))
+    return pb_utils.Tensor(name, np.array([[data]], dtype=np.object_))
 
 
 def _code(name: str):

@@ -13,8 +13,9 @@ The names, types and defaults of TensorRT-LLM's Triton ensemble
   ``pad_id`` (INT32) is taken and has no effect (one sequence a request: nothing is padded);
 - ``stream`` (BOOL): one response per token, else one with the whole answer; absent: false for
   ``text_input`` (as TensorRT-LLM), true for ``input_ids`` (the token-id interface answers token by
-  token); ``exclude_input_in_output`` (BOOL): a whole answer leaves the prompt out; absent: false
-  for ``text_input``, true for ``input_ids``; ``return_num_input_tokens`` /
+  token); ``exclude_input_in_output`` (BOOL): a whole answer leaves the prompt out; absent: the
+  server's ``exclude_input_in_output`` setting for ``text_input`` (false unless set, as TensorRT-LLM's
+  model parameter), true for ``input_ids``; ``return_num_input_tokens`` /
   ``return_num_output_tokens`` (BOOL): the answer carries those counts;
 - ours: ``reuse`` (BOOL, absent: true), ``codecs`` (STRING, rung specs).
 """
@@ -34,8 +35,9 @@ INTS = ("top_k", "end_id", "min_tokens")
 WORDS = ("stop_words", "bad_words")
 
 
-def read_request(request, tokenize: Callable[[str], Sequence[int]]) -> Request:
-    """The request's ``Request`` (not yet validated against the model: ``Request.validate``)."""
+def read_request(request, tokenize: Callable[[str], Sequence[int]], exclude_input: bool = False) -> Request:
+    """The request's ``Request`` (not yet validated against the model: ``Request.validate``);
+    ``exclude_input``: whether a text request that does not say gets its answer without the prompt."""
     text = _text(request, "text_input")
     if text is not None and has_input(request, "input_ids"):
         raise BadRequest("send text_input or input_ids, not both")
@@ -51,7 +53,7 @@ def read_request(request, tokenize: Callable[[str], Sequence[int]]) -> Request:
     if has_input(request, "seed"):
         sampling["seed"] = int(get_scalar(request, "seed", np.uint64))
     sampling.update((name, tuple(_words(request, name))) for name in WORDS if has_input(request, name))
-    reply = Reply(stream=_flag(request, "stream", by_ids), exclude_input=_flag(request, "exclude_input_in_output", by_ids),
+    reply = Reply(stream=_flag(request, "stream", by_ids), exclude_input=_flag(request, "exclude_input_in_output", by_ids or exclude_input),
                   num_input_tokens=_flag(request, "return_num_input_tokens", False),
                   num_output_tokens=_flag(request, "return_num_output_tokens", False), sampling=Sampling(**sampling))
     spec = get_text(request, "codecs").decode("utf-8", "replace") if has_input(request, "codecs") else None

@@ -56,7 +56,7 @@ class TritonPythonModel:
         self.metrics.record(self.fetcher.calls.snapshot())
 
     def _parse(self, request):
-        return read_request(request, self.tokenizer.encode).validate(self.card)
+        return read_request(request, self.tokenizer.encode, self.settings.exclude_input_in_output).validate(self.card)
 
     def execute(self, requests):
         for request in requests:
