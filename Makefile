@@ -116,12 +116,13 @@ eval: setup
 		--samples 100 --context-tokens 1024 --threads 1 --out perf/results/task.json
 	$(BIN)/kvcodec rd --task-json perf/results/task.json --json perf/results/rd.json --plot perf/results/rd.png
 
-# TTFT of reuse and of full prefill with Triton's perf_analyzer (own venv .venv-pa/): a real
+# TTFT of reuse and of full prefill with Triton's perf_analyzer (own venv .venv-pa/) and genai-perf
+# beside it (own venv .venv-genai/, Python 3.12; TTFT, inter-token latency, throughput): a real
 # tritonserver fetching from nginx across a throttled link at each rate (root: network namespaces
-# + tc; else the userspace shaper); writes perf/results/perf_analyzer.json.
+# + tc; else the userspace shaper); writes perf/results/perf_analyzer.json and .png.
 .PHONY: perf
 perf: setup
-	$(BIN)/python -m kvcodec_tools.run_perf --bandwidth-mbps 100,1000,10000
+	$(BIN)/kvcodec bench perf --bandwidth-mbps 100,1000,10000
 
 # Per-chunk time of kv_decode -> kv_restore -> llm's gather on real KV, against the run before the
 # request-path restructure (perf/results/chunk_path_before.json): perf/results/chunk_path.json.

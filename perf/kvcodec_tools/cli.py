@@ -49,7 +49,8 @@ COMMANDS = (
     "kvcodec_tools.ingest_cli",  # ingest
     "kvcodec_tools.generate_cli",  # generate
     "kvcodec_tools.quality.evaluate_cli",  # eval
-    ("bench", "benchmarks", ("kvcodec_tools.bench", "kvcodec_tools.concurrency", "kvcodec_tools.loadbench")),
+    ("bench", "benchmarks", ("kvcodec_tools.bench", "kvcodec_tools.concurrency", "kvcodec_tools.loadbench",
+                             "kvcodec_tools.run_perf")),
     "kvcodec_tools.soak",  # soak
     "kvcodec_tools.repository_cli",  # repository
     "kvcodec_tools.quality.rd",  # rd
@@ -163,7 +164,7 @@ PLOT_HELP = "the plot (default: --json's path with .png; \"\": none)"
 def plot_beside_json(args) -> None:
     """``--plot`` left out: the plot goes beside ``--json`` (``x.json`` -> ``x.png``), so a run
     written elsewhere never replaces the committed plot of another."""
-    if getattr(args, "plot", "") is None:
+    if getattr(args, "plot", "") is None and hasattr(args, "json"):
         args.plot = str(Path(args.json).with_suffix(".png"))
 
 

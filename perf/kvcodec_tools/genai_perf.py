@@ -9,7 +9,11 @@ TensorRT-LLM's interface: ``genai-perf profile -m kvcodec --backend tensorrtllm 
   prompts (genai-perf sends ``text_input``, ``max_tokens``, ``stream``, ``exclude_input_in_output``),
   and what it measured: ``time_to_first_token``, ``inter_token_latency``, ``request_latency``,
   ``output_token_throughput`` and ``request_throughput`` (its ``profile_export_genai_perf.json``:
-  ``avg``, ``p50``, ``p90``, ... in milliseconds for the latencies), and the command.
+  ``avg``, ``p50``, ``p90``, ... in milliseconds for the latencies), and the command; with
+  ``input_file`` (``write_prompts``: one ``{"text": ...}`` a line) its prompts instead of synthetic
+  ones, so a prompt whose prefix is stored can be measured reusing it;
+- ``summary(result)``: the figures a results row keeps (TTFT, ITL, request latency in ms;
+  throughputs), without the command.
 """
 from __future__ import annotations
 
@@ -66,10 +70,11 @@ def ensure_genai_perf(venv: Path = VENV) -> Tuple[Path, dict]:
 
 def profile_args(grpc_url: str, tokenizer_dir: Path, out_dir: Path, *, input_tokens: int = 300,
                  output_tokens: int = 8, requests: int = 8, concurrency: int = 1,
-                 extra_inputs: Sequence[str] = ()) -> List[str]:
+                 extra_inputs: Sequence[str] = (), input_file: Optional[Path] = None) -> List[str]:
+    prompts = (["--input-file", str(input_file)] if input_file is not None else
+               ["--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0"])
     args = ["profile", "-m", "kvcodec", "--backend", "tensorrtllm", "--streaming", "-u", grpc_url,
-            "--tokenizer", str(tokenizer_dir), "--synthetic-input-tokens-mean", str(input_tokens),
-            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(output_tokens),
+            "--tokenizer", str(tokenizer_dir), *prompts, "--output-tokens-mean", str(output_tokens),
             "--request-count", str(requests), "--concurrency", str(concurrency), "--artifact-dir", str(out_dir)]
     for extra in extra_inputs:
         args += ["--extra-inputs", extra]
@@ -87,6 +92,22 @@ def profile(binary: Path, env: dict, grpc_url: str, tokenizer_dir: Path, out_dir
         raise GenaiPerfError(f"genai-perf failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     export = json.loads(exports[-1].read_text())
     return {"command": ["genai-perf", *args], **{m: export[m] for m in METRICS if m in export}}
+
+
+def write_prompts(path: Path, prompts: Sequence[str]) -> Path:
+    """genai-perf's ``--input-file``: one ``{"text": prompt}`` a line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts), encoding="utf-8")
+    return path
+
+
+SUMMARY_STATS = ("avg", "p50", "p90", "min", "max")
+
+
+def summary(result: dict) -> dict:
+    """What a results row keeps of a run: each metric's ``unit`` and its SUMMARY_STATS."""
+    return {m: {k: result[m][k] for k in ("unit", *SUMMARY_STATS) if k in result[m]}
+            for m in METRICS if isinstance(result.get(m), dict)}
 
 
 def ttft_ms(result: dict, stat: str = "avg") -> Optional[float]:

@@ -1,4 +1,5 @@
-"""``make perf``: TTFT of KV reuse against full prefill, measured by perf_analyzer on a real server.
+"""``make perf`` / ``kvcodec bench perf``: TTFT of KV reuse against full prefill, measured by
+Triton's own tools on a real server: perf_analyzer, and genai-perf beside it.
 
 1. sets up perf_analyzer (``.venv-pa/``, ``perf_analyzer_env.sh``);
 2. takes the committed inputs ``perf/inputs/default.*`` (or makes them for ``--text-file``, into
@@ -7,8 +8,12 @@
    kvtc-w, video, int8-zstd, raw; the server's adaptive fetcher chooses per chunk);
 3. starts tritonserver on free ports, warms it up and checks that the reuse prompt is served
    from the store (reused_tokens > 0), else stops;
-4. runs perf_analyzer with the reuse input, then the prefill input, and writes
-   ``perf/results/perf_analyzer.json``.
+4. runs perf_analyzer with the reuse input, then the prefill input; with ``--genai-perf`` (on for
+   ``kvcodec bench perf``) genai-perf after each, on the same server, with the same prompt (its
+   ``--input-file``) and ``reuse`` (``--extra-inputs``), ``--backend tensorrtllm --streaming``: its
+   TTFT, inter-token latency, request latency and throughputs go into the row as ``genai_perf``;
+5. writes ``perf/results/perf_analyzer.json`` and, across links, a plot beside it (``--plot``):
+   TTFT against link rate, reuse and prefill, as each tool measured it.
 
 With ``--bandwidth-mbps LIST`` (``make perf``: 100, 1000, 10000) the store is nginx (writes need
 a bearer token) and, for each rate, it sits behind a throttled link (``kvcodec_tools.shaping``: a network
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -33,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT / "perf") not in sys.path:
     sys.path.insert(0, str(REPO_ROOT / "perf"))
 
-from kvcodec_tools import make_inputs  # noqa: E402
+from kvcodec_tools import genai_perf, make_inputs  # noqa: E402
 from kvcodec_tools.bench import DEFAULT_LADDER  # noqa: E402
 from kvcodec_tools.perf_analyzer import (  # noqa: E402
     RESULTS_PATH,
@@ -107,15 +113,76 @@ def _measure(server, target: Target, inputs, prompt: str, meta, args, home: Path
         print(f"run_perf: the reuse prompt reused nothing (stats {check.stats})", file=sys.stderr)
         return None
     try:
-        return run_targets([target], inputs, meta["context_tokens"], request_count=args.request_count, max_trials=args.max_trials,
-                           work_dir=home / "perf_analyzer" / target.label)
+        rows = run_targets([target], inputs, meta["context_tokens"], request_count=args.request_count,
+                           max_trials=args.max_trials, work_dir=home / "perf_analyzer" / target.label)
     except PerfAnalyzerError as exc:
         print(f"run_perf: {exc}", file=sys.stderr)
         return None
+    if args.genai_perf:
+        try:
+            for row in rows:
+                row["genai_perf"] = _genai_perf(server, target, prompt, row, args, home)
+        except (genai_perf.GenaiPerfError, OSError, subprocess.SubprocessError) as exc:
+            print(f"run_perf: genai-perf: {exc}", file=sys.stderr)
+            return None
+    return rows
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _genai_perf(server, target: Target, prompt: str, row: dict, args, home: Path) -> dict:
+    """genai-perf on ``server`` with ``prompt`` and the row's reuse: its figures (``genai_perf.summary``)."""
+    from kvcodec.engines.gguf import ensure_model
+
+    binary, env = genai_perf.ensure_genai_perf()
+    kind = "reuse" if row["reuse"] else "prefill"
+    work = home / "genai_perf" / target.label / kind
+    prompts = genai_perf.write_prompts(work / "prompts.jsonl", [prompt])
+    result = genai_perf.profile(binary, env, server.grpc_url, ensure_model(args.model_cache).path, work / "out",
+                                output_tokens=row["max_tokens"], requests=args.request_count * 3,
+                                input_file=prompts, extra_inputs=[f"reuse:{str(row['reuse']).lower()}"])
+    out = genai_perf.summary(result)
+    ttft = out.get("time_to_first_token", {})
+    print(f"  genai-perf [{target.label}, {kind}]: TTFT p50 {ttft.get('p50', float('nan')):.1f} ms, "
+          f"ITL p50 {out.get('inter_token_latency', {}).get('p50', float('nan')):.1f} ms", flush=True)
+    return dict(out, command=[a if a != str(prompts) else "prompts.jsonl" for a in result["command"]])
+
+
+def plot(rows: List[dict], path: Path) -> Optional[Path]:
+    """TTFT p50 against link rate (log), reuse and prefill, by perf_analyzer and by genai-perf where it
+    ran; prefill (which fetches nothing) as a level line. None when no row crossed a link."""
+    across = [r for r in rows if r.get("bandwidth_mbps")]
+    if not across:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    tools = [("perf_analyzer", lambda r: r["ttft_p50_s"], "o-"),
+             ("genai-perf", lambda r: (r.get("genai_perf") or {}).get("time_to_first_token", {}).get("p50", 0) / 1e3,
+              "s--")]
+    for name, value, style in tools:
+        reuse = sorted((r["bandwidth_mbps"], value(r)) for r in across if r["reuse"] and value(r))
+        if reuse:
+            ax.plot(*zip(*reuse, strict=True), style, label=f"reuse ({name})")
+        prefill = [value(r) for r in across if not r["reuse"] and value(r)]
+        if prefill:
+            ax.axhline(prefill[0], linestyle=":" if name == "perf_analyzer" else "-.", color="gray",
+                       label=f"prefill ({name})")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate to the store (Mbit/s)")
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_title(f"TTFT, {across[0]['context_tokens']}-token context: perf_analyzer and genai-perf")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(p: argparse.ArgumentParser, genai_perf_default: bool = False) -> None:
     p.add_argument("--home", type=Path, default=REPO_ROOT / ".cache" / "perf",
                    help="store, logs and perf_analyzer outputs (default .cache/perf)")
     p.add_argument("--model-cache", type=Path, default=REPO_ROOT / ".cache" / "models")
@@ -132,7 +199,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--link-mode", choices=("auto", "netns", "userspace"), default="auto")
     p.add_argument("--ladder", default=DEFAULT_LADDER,
                    help="the rungs ingest stores and the server's adaptive fetcher chooses from")
-    args = p.parse_args(argv)
+    p.add_argument("--genai-perf", action=argparse.BooleanOptionalAction, default=genai_perf_default,
+                   help="also measure with genai-perf (--backend tensorrtllm --streaming) beside perf_analyzer")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="the plot across links (default: --output's path with .png)")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv), p.error)
+
+
+def register(sub) -> None:
+    """``kvcodec bench perf`` under ``kvcodec bench``'s subcommands ``sub``."""
+    p = sub.add_parser("perf", help="TTFT by perf_analyzer and genai-perf, reuse against prefill, across shaped links")
+    add_arguments(p, genai_perf_default=True)
+    p.set_defaults(func=lambda args: run(args, p.error))
+
+
+def run(args, error) -> int:
+    """The run of the module's docstring; ``error(message)`` refuses bad arguments."""
 
     from kvcodec import engines
     from kvcodec.settings import Settings
@@ -159,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         files = make_inputs.paths(make_inputs.DEFAULT_NAME)
         if args.max_tokens != make_inputs.MAX_TOKENS:
-            p.error("--max-tokens other than the committed inputs' needs --text-file")
+            error("--max-tokens other than the committed inputs' needs --text-file")
     meta = json.loads(files["meta"].read_text())
     [prompt] = json.loads(files["reuse"].read_text())["data"][0]["text_input"]
     print(f"context: {meta['context_tokens']} tokens ({meta['source']}), prompt {meta['prompt_tokens']} tokens, "
@@ -191,6 +278,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row["link"] = link.get("kind", "none")
             rows += got
     write_results(rows, args.output, version)
+    drawn = plot(rows, args.plot or args.output.with_suffix(".png"))
 
     print()
     print(f"{'label':<10}{'Mbit/s':>8}{'link':>10}{'reuse':>7}{'requests':>10}{'p50 s':>9}{'p90 s':>9}"
@@ -199,7 +287,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         mbps = "-" if r["bandwidth_mbps"] is None else f"{r['bandwidth_mbps']:g}"
         print(f"{r['label']:<10}{mbps:>8}{r['link']:>10}{str(r['reuse']).lower():>7}{r['requests']:>10}"
               f"{r['ttft_p50_s']:>9.3f}{r['ttft_p90_s']:>9.3f}{r['ttft_mean_s']:>9.3f}{str(r['reused_tokens']):>8}")
-    print(f"\nwrote {args.output} in {time.perf_counter() - t_start:.0f} s")
+    for r in rows:
+        g = r.get("genai_perf")
+        if g:
+            print(f"genai-perf {r['label']} reuse={str(r['reuse']).lower()}: TTFT p50 "
+                  f"{g['time_to_first_token']['p50']:.1f} ms, ITL p50 {g['inter_token_latency']['p50']:.1f} ms, "
+                  f"{g['output_token_throughput']['avg']:.1f} tokens/s")
+    print(f"\nwrote {args.output}{' and ' + str(drawn) if drawn else ''} in {time.perf_counter() - t_start:.0f} s")
     bad = [r["label"] for r in rows if r["reuse"] and not (r["reused_tokens"] or 0) > 0]
     if bad:
         print(f"run_perf: reuse rows that did not reuse: {', '.join(bad)}", file=sys.stderr)

@@ -56,7 +56,8 @@ def test_perf_analyzer_ttft_reuse_and_prefill(server, settings, tokenizer, perf_
 
 
 def test_make_perf_script_across_a_throttled_link(settings, tokenizer, perf_analyzer, tmp_path):
-    """perf/kvcodec_tools/run_perf.py as `make perf` runs it, on a tiny context and one link rate."""
+    """perf/kvcodec_tools/run_perf.py as `make perf` (``kvcodec bench perf``) runs it, on a tiny context
+    and one link rate: perf_analyzer and genai-perf on the same server, reuse and prefill; the plot."""
     import subprocess
     import sys
 
@@ -68,7 +69,7 @@ def test_make_perf_script_across_a_throttled_link(settings, tokenizer, perf_anal
     proc = subprocess.run([sys.executable, str(REPO / "perf" / "kvcodec_tools" / "run_perf.py"), "--home", str(tmp_path / "home"),
                            "--model-cache", str(settings.model_cache), "--text-file", str(source),
                            "--max-tokens", "2", "--request-count", "2", "--bandwidth-mbps", "1000", "--max-trials", "30",
-                           "--output", str(out)], capture_output=True, text=True, timeout=840)
+                           "--genai-perf", "--output", str(out)], capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["perf_analyzer_version"] == perf_analyzer
@@ -79,6 +80,13 @@ def test_make_perf_script_across_a_throttled_link(settings, tokenizer, perf_anal
         assert 0 < row["ttft_p50_s"] <= row["ttft_p90_s"] and row["requests"] >= 2 * 3
     assert reuse["reuse"] is True and reuse["reused_tokens"] >= settings.chunk_tokens
     assert prefill["reuse"] is False and prefill["reused_tokens"] == 0
+    for row, asked in ((reuse, "reuse:true"), (prefill, "reuse:false")):  # genai-perf beside perf_analyzer
+        g = row["genai_perf"]
+        assert g["time_to_first_token"]["p50"] > 0 and g["inter_token_latency"]["p50"] > 0
+        assert g["output_token_throughput"]["avg"] > 0 and g["request_throughput"]["avg"] > 0
+        assert "tensorrtllm" in g["command"] and asked in g["command"] and "prompts.jsonl" in g["command"]
+        assert abs(g["input_sequence_length"]["avg"] - row["prompt_tokens"]) <= 2  # the same prompt
+    assert out.with_suffix(".png").stat().st_size > 10_000
     assert "1000Mbps" in proc.stdout and "link" in proc.stdout
 
 
