@@ -2,6 +2,12 @@
 from the command line.
 
     kvcodec ingest --text-file F [--codec RUNG[,RUNG...]] [--quality Q] [--store URL] [--engine E] [--json] [--quiet]
+    kvcodec ingest --text-file F --chat          # F as the system message of chats (the model's chat template)
+    kvcodec ingest --chat-messages M.json        # the messages every such chat starts with
+
+``--chat`` / ``--chat-messages`` store the text the served model's chat template makes of those
+messages (``kvcodec.engines.tokenizer.chat_prefix``): a chat request that starts with them, through
+Triton's OpenAI frontend (given the same model's tokenizer) or as ``text_input``, reuses it.
 
 Without ``--codec`` it stores at every rung of the ladder a server started with the same settings
 fetches from. A bad rung name, a rung whose codec profile is not fitted for the model and a store
@@ -38,9 +44,18 @@ def cmd_ingest(args) -> int:
         codec = f"{codec}:{args.quality}"
     schemes = parse_ladder(codec, model_card(settings))  # bad names fail before the model loads
     require_profiles(schemes)  # so does a rung whose codec profile is not fitted for this model
-    text = _read_text(args.text_file)
+    text = _read_text(args.text_file) if args.text_file else None
+    messages = _chat_messages(args, text)
     _probe_store(settings)  # and a store that does not answer
     engine = open_engine(settings)
+    if messages is not None:
+        from kvcodec.engines.tokenizer import chat_prefix
+        from kvcodec.errors import ConfigError
+
+        try:
+            text = chat_prefix(engine.tokenizer, messages)
+        except ConfigError as exc:
+            raise SystemExit(f"kvcodec ingest: {exc}") from None
     ids = engine.tokenize(text)
     n_chunks = len(ids) // settings.chunk_tokens
     if n_chunks == 0:
@@ -66,11 +81,32 @@ def cmd_ingest(args) -> int:
     return 0
 
 
+def _chat_messages(args, text):
+    """The chat messages to store the prefix of (None: store ``text`` as it is)."""
+    if args.chat_messages:
+        if args.text_file or args.chat:
+            raise SystemExit("kvcodec ingest: --chat-messages takes the place of --text-file and --chat")
+        try:
+            messages = json.loads(_read_text(args.chat_messages))
+        except ValueError as exc:
+            raise SystemExit(f"kvcodec ingest: --chat-messages {args.chat_messages} is not JSON: {exc}") from None
+        if not isinstance(messages, list):
+            raise SystemExit("kvcodec ingest: --chat-messages holds a JSON list of {\"role\", \"content\"} messages")
+        return messages
+    if not args.text_file:
+        raise SystemExit("kvcodec ingest: give --text-file (or --chat-messages)")
+    return [{"role": "system", "content": text}] if args.chat else None
+
+
 def register(sub) -> None:
     """``kvcodec ingest`` under the CLI's subcommands ``sub``."""
     p = sub.add_parser("ingest", help="prefill a text once and store its KV chunks")
     common(p)
-    p.add_argument("--text-file", required=True)
+    p.add_argument("--text-file", help="the text to store (with --chat: the system message of chats)")
+    p.add_argument("--chat", action="store_true",
+                   help="store the text as the system message of chats, in the model's chat template")
+    p.add_argument("--chat-messages", metavar="FILE",
+                   help="a JSON list of chat messages ({role, content}) that chats start with: store their prefix")
     p.add_argument("--codec",
                    help="a rung spec NAME[:QUALITY], or a comma list of them (default: the server's ladder)")
     p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")

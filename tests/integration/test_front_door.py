@@ -195,3 +195,21 @@ def test_a_batch_of_two_prompts_is_refused(server):
     with pytest.raises(RuntimeError) as refused:
         grpc_responses(server, inputs)
     assert "batch-size must be <= 1" in str(refused.value)
+
+
+def test_a_chat_reuses_the_system_prompt_ingested_with_chat(settings, server, tokenizer, tmp_path):
+    """``kvcodec ingest --chat`` stores the chat template's text of a system message; the prompt the
+    OpenAI frontend makes of a chat with it (the same template, then a user turn) reuses it."""
+    document = text_of(tokenizer, "shlex.py", 560)
+    path = tmp_path / "system.txt"
+    path.write_text(document)
+    report = json.loads(cli(settings, "ingest", "--text-file", str(path), "--chat", "--codec", "raw", "--json",
+                            "--quiet").stdout)
+    assert report["chunks"] == 2, report
+    chat = tokenizer.chat_text([{"role": "system", "content": document},
+                                {"role": "user", "content": "What does split() do?"}], add_generation_prompt=True)
+    inputs = dict(openai_inputs(chat, False, 8, temperature=0.0), exclude_input_in_output=np.bool_([[True]]))
+    [(outputs, _)] = grpc_responses(server, inputs)
+    assert outputs["reused_tokens"][0, 0] == 512  # without --chat the stored text would not start the chat's
+    prefill = KVCodecClient(server.grpc_url, "grpc").generate(tokenizer.encode(chat), 8, reuse=False)
+    assert _one_string(outputs, "text_output") == tokenizer.decode(prefill.tokens)

@@ -1,9 +1,13 @@
-"""The model's tokenizer, shared by the engine, ingest and the client (same ids everywhere)."""
+"""The model's tokenizer, shared by the engine, ingest and the client (same ids everywhere), and
+the text its chat template makes (``chat_prefix``: what ``kvcodec ingest --chat`` stores)."""
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Mapping, Sequence
 
+from ..errors import ConfigError
 from .model_files import ModelFiles
+
+ROLES = ("system", "user", "assistant")
 
 
 class Tokenizer:
@@ -19,6 +23,34 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def chat_text(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
+        """The text the model's chat template makes of ``messages``: what a chat front end (Triton's
+        OpenAI frontend, given this model's tokenizer) sends as the prompt."""
+        if not getattr(self._tok, "chat_template", None):
+            raise ConfigError("the model has no chat template: a chat prompt cannot be made")
+        return self._tok.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+
+def chat_prefix(tokenizer, messages: Sequence[Mapping[str, str]]) -> str:
+    """The text every chat that starts with ``messages`` begins with (the template applied to them,
+    no generation prompt): stored once, it is reused by each such chat request. Checked: the
+    template renders ``messages`` and a next user turn as this text followed by more (a template
+    that rewrites earlier turns, e.g. dates or a last-turn-only marker, makes no reusable prefix)."""
+    checked = []
+    for m in messages:
+        if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ConfigError(f"a chat message is {{\"role\": one of {', '.join(ROLES)}, \"content\": text}}, got {m!r:.80}")
+        checked.append({"role": m["role"], "content": m["content"]})
+    if not checked:
+        raise ConfigError("no chat messages to store")
+    prefix = tokenizer.chat_text(checked, add_generation_prompt=False)
+    longer = tokenizer.chat_text([*checked, {"role": "user", "content": "?"}], add_generation_prompt=True)
+    if not longer.startswith(prefix):
+        raise ConfigError("the model's chat template does not render these messages as the start of a longer chat: "
+                          "no prefix to reuse")
+    return prefix
 
 
 class IncrementalDetokenizer:
