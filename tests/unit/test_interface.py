@@ -110,3 +110,54 @@ def test_a_whole_answer_is_led_by_the_prompt_unless_excluded():
     assert (whole.ids, whole.text, whole.num_output_tokens, whole.final) == ([1, 2, 5, 6], "PROMPT<5><6>", 2, True)
     [alone] = pieces(_events([5, 6]), Reply(stream=False, exclude_input=True), [1, 2], lambda: "PROMPT")
     assert (alone.ids, alone.text, alone.num_output_tokens) == ([5, 6], "<5><6>", None)
+
+
+# -- the door refuses what the engine would, before anything is fetched ------------------------------
+def _card(kv_dtype: str):
+    from kvcodec.engines import ModelCard
+
+    return ModelCard("m", "m@x", layers=1, kv_heads=1, head_dim=8, vocab_size=200, max_context=512,
+                     kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("engine, kv_dtype, seeded", [
+    ("transformers", "float32", True), ("vllm", "float16", True), ("vllm", "float32", False), ("trtllm", "float16", True),
+])
+def test_each_engine_says_what_it_honours_without_loading(engine, kv_dtype, seeded):
+    from kvcodec.engines import sampling_fields
+    from kvcodec.engines.sampling import ALL
+    from kvcodec.settings import Settings
+
+    fields = sampling_fields(Settings.load({"engine": engine}, env={}), _card(kv_dtype))
+    assert ("seed" in fields) == seeded and "stop_words" in fields and fields <= ALL
+
+
+class _NoFetch:
+    """Fails the test if the door fetches."""
+
+    def fetch(self, *args):
+        raise AssertionError("fetched for a request the engine refuses")
+
+
+def test_kv_fetch_refuses_a_seed_the_cpu_vllm_engine_cannot_take_without_fetching(monkeypatch):
+    from kvcodec.engines import sampling_fields
+    from kvcodec.settings import Settings
+
+    fake = load_step(monkeypatch, "kv_fetch")
+    fake.model.__spec__.loader.exec_module(fake.model)
+    step = fake.model.TritonPythonModel.__new__(fake.model.TritonPythonModel)  # initialize's fields, by hand
+    step.settings = Settings.load({"engine": "vllm"}, env={})
+    step.card, step.tokenizer, step.fetcher = _card("float32"), types.SimpleNamespace(encode=_tokenize), _NoFetch()
+    step.honoured = sampling_fields(step.settings, step.card)
+    step.metrics = types.SimpleNamespace(record=lambda snapshot: None)
+    step.fetcher.calls = types.SimpleNamespace(snapshot=lambda: {})
+    sent = []
+    request = openai_request(seed=3, temperature=0.5)
+    request_obj = types.SimpleNamespace(get=request.get, get_response_sender=lambda: types.SimpleNamespace(
+        send=lambda response=None, flags=0: sent.append((response, flags))))
+    fake.get_input_tensor_by_name = lambda r, name: r.get(name)
+    step.execute([request_obj])
+    [(response, flags)] = sent
+    assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    assert "the vllm engine does not honour seed" in response.error.message
+    sys.modules.pop("kvcodec.triton", None)

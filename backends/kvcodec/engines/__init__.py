@@ -145,6 +145,15 @@ def model_card(settings) -> ModelCard:
     return ENGINES.get(settings.engine).model_card(settings)
 
 
+def sampling_fields(settings, card: ModelCard) -> FrozenSet[str]:
+    """The ``Sampling`` fields a request may ask of the chosen engine for ``card``'s model: the ones
+    it honours (``honoured_fields``, known without loading it) and stop words (``serving.generate``
+    applies them for every engine)."""
+    from .sampling import GENERATE_FIELDS
+
+    return ENGINES.get(settings.engine).honoured_fields(card) | GENERATE_FIELDS
+
+
 def prepare(settings) -> None:
     """Make the chosen engine's model files ready (``kvcodec serve`` does it before the server starts)."""
     ENGINES.get(settings.engine).prepare(settings)

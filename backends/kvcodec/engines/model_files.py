@@ -109,6 +109,12 @@ class EngineFiles:
     takes_session = False  # True: ``stream(load=LoadSession)`` takes the chunks where they are, arrived or not
     writeback = None  # the ``connector.WriteBackSink`` its misses' new chunks go to (None: it saves nothing)
 
+    @classmethod
+    def honoured_fields(cls, card) -> "frozenset":
+        """The ``sampling_fields`` an instance of this engine has for ``card``'s model, known without
+        loading it (the door, ``kv_fetch``, refuses what the engine would refuse before any fetch)."""
+        return frozenset(cls.sampling_fields)
+
     def writeback_stats(self) -> "Optional[dict]":
         """The write-back sink's counts (``connector.WriteBackSink.stats``); None: this engine saves nothing."""
         return self.writeback.stats() if self.writeback is not None else None

@@ -119,6 +119,11 @@ class VllmEngine(model_files.EngineFiles):
                        max_context=min(base.max_context, MAX_MODEL_LEN))
 
     @classmethod
+    def honoured_fields(cls, card) -> frozenset:
+        """All of ENGINE_FIELDS; on the CPU build (float32 KV) all but CPU_UNSEEDED."""
+        return ENGINE_FIELDS - CPU_UNSEEDED if card.kv_dtype == "float32" else ENGINE_FIELDS
+
+    @classmethod
     def from_settings(cls, settings) -> "VllmEngine":
         return cls(settings)
 
@@ -148,8 +153,7 @@ class VllmEngine(model_files.EngineFiles):
                                                 kv_load_failure_policy="recompute"),
         )
         self._engine = LLMEngine.from_engine_args(args)
-        if self.card.kv_dtype == "float32":  # the CPU build: seeded draws would break its steps
-            self.sampling_fields = ENGINE_FIELDS - CPU_UNSEEDED
+        self.sampling_fields = self.honoured_fields(self.card)  # the CPU build: seeded draws would break its steps
         self._inbox: "queue.Queue" = queue.Queue()
         self._streams: Dict[str, tuple] = {}  # request id -> (its queue, whether it wants its whole output)
         self._ids = itertools.count()

@@ -1,7 +1,8 @@
 """kv_fetch: read and validate the request, then stream the longest stored prefix chunk by chunk.
 
 The request's inputs are TensorRT-LLM's ensemble's (``kvcodec.triton.interface``): ``text_input`` is
-tokenized here, with the served model's own tokenizer, once; how the llm step answers (stream,
+tokenized here, with the served model's own tokenizer, once; sampling the engine would refuse
+(``engines.sampling_fields``) is refused here, before anything is fetched; how the llm step answers (stream,
 sampling, ...) goes on with every chunk as the ``params`` JSON (``serving.request.Reply``). The
 optional ``codecs`` input (a comma list of rung specs, e.g. ``raw`` or ``video:12``) restricts
 this request to those rungs, chosen statically; without it the server's ladder is used, chosen
@@ -24,7 +25,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from kvcodec.engines import model_card, tokenizer
+from kvcodec.engines import model_card, sampling_fields, tokenizer
 from kvcodec.serving.breaker import STATES
 from kvcodec.serving.costs import for_settings
 from kvcodec.serving.fetch import Fetcher
@@ -47,6 +48,7 @@ class TritonPythonModel:
         self.settings = Settings.load(model_parameters(args))
         self.card = model_card(self.settings)
         self.tokenizer = tokenizer(self.settings)  # the model's own: text_input -> the ids ingest keys
+        self.honoured = sampling_fields(self.settings, self.card)  # what the llm step's engine would take
         self.store = open_store(self.settings.store)  # one connection pool for this instance
         costs = for_settings(self.settings, self.card.geometry(1).fp16_bytes)
         self.fetcher = Fetcher(self.store, self.card.model_id, self.settings.ladder, self.settings.chunk_tokens,
@@ -56,7 +58,9 @@ class TritonPythonModel:
         self.metrics.record(self.fetcher.calls.snapshot())
 
     def _parse(self, request):
-        return read_request(request, self.tokenizer.encode, self.settings.exclude_input_in_output).validate(self.card)
+        req = read_request(request, self.tokenizer.encode, self.settings.exclude_input_in_output).validate(self.card)
+        req.reply.sampling.refuse(self.honoured, self.settings.engine)  # refused here: nothing fetched
+        return req
 
     def execute(self, requests):
         for request in requests:
