@@ -21,7 +21,7 @@ C, BS = 256, 128
 def scheduler_half() -> "vc.KVCodecConnector":
     """The connector's scheduler side without a vLLM config: the state its scheduler calls use."""
     half = object.__new__(vc.KVCodecConnector)
-    half.core, half._attached = SchedulerCore(BS, C), []
+    half.core, half._attached, half.standalone = SchedulerCore(BS, C), [], None
     return half
 
 
@@ -50,3 +50,56 @@ def test_the_answer_follows_the_session():
     short = LoadSession(C, 2)
     short.fail(1, "missing")
     assert ask(half, short) == (256, True)  # only what can still come is promised
+
+
+# -- standalone (vllm serve): the connector's own offers ---------------------------------------------
+class _Reads:
+    """A read path whose plan the test releases."""
+
+    def __init__(self, session):
+        import threading
+
+        self.started, self.session = [], session
+        self.reading = SimpleNamespace(ready=threading.Event(), session=session)
+
+    def start(self, ids):
+        self.started.append(list(ids))
+        return self.reading
+
+
+def standalone_half(session, sink=None):
+    half = scheduler_half()
+    alone = object.__new__(vc.Standalone)
+    alone.chunk_tokens, alone.reads, alone.sink, alone._reading = C, _Reads(session), sink, {}
+    alone.counters = {"requests": 0, "local_tokens": 0, "remote_reads": 0}
+    half.standalone = alone
+    return half, alone
+
+
+def test_standalone_asks_again_until_the_plan_is_known_then_loads_as_chunks_arrive():
+    session = LoadSession(C, 2)
+    half, alone = standalone_half(session)
+    request = SimpleNamespace(request_id="cmpl-1-0", prompt_token_ids=list(range(600)))
+    assert half.get_num_new_matched_tokens(request, 0) == (None, False)  # planning: ask again
+    assert half.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert alone.reads.started == [list(range(600))]  # one read per request
+    alone.reads.reading.ready.set()
+    assert half.get_num_new_matched_tokens(request, 0) == (512, True)  # chunks still coming: asynchronous
+    half.request_finished(request, [])
+    assert vc.HANDOFF.get("cmpl-1-0") is None  # its own offer goes with the request
+
+
+def test_standalone_reads_nothing_for_a_prefix_vllm_already_holds():
+    half, alone = standalone_half(LoadSession(C, 2))
+    request = SimpleNamespace(request_id="cmpl-2-0", prompt_token_ids=list(range(600)))
+    assert half.get_num_new_matched_tokens(request, 512) == (0, False)  # the local tier holds both chunks
+    assert alone.reads.started == [] and alone.counters["local_tokens"] == 512
+    half.request_finished(request, [])
+
+
+def test_standalone_with_nothing_stored_computes():
+    half, alone = standalone_half(None)
+    alone.reads.reading.ready.set()
+    request = SimpleNamespace(request_id="cmpl-3-0", prompt_token_ids=list(range(600)))
+    assert half.get_num_new_matched_tokens(request, 0) == (0, False)
+    half.request_finished(request, [])

@@ -28,6 +28,20 @@ prompt's new full chunks (write-back) and where to send them. The connector's tw
   vLLM would take as computed. ``wait_for_save`` reads the finished full chunks out of the blocks
   (one copy, ``connector.HostCopy``) and hands them to the offer's sink (the write-back sink, or
   ingest's capture list).
+
+Two homes, one connector. In the ensemble the ``llm`` step posts the offers (the engine says so:
+``kv_connector_extra_config`` ``{"kvcodec.offers": "ensemble"}``). Standalone, in ``vllm serve``
+(``--kv-transfer-config '{"kv_connector": "KVCodecConnector", "kv_connector_module_path":
+"kvcodec.engines.vllm_connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
+--distributed-executor-backend uni``: the halves meet in one process), the scheduler half makes each request's
+offer itself (``Standalone``): vLLM's own prefix cache is the first tier (a request whose stored
+prefix vLLM already holds, ``num_computed_tokens``, reads nothing), and for the rest the store is
+read in the background through the ensemble's read path (``serving.readpath``: plan, adaptive
+rungs, breaker, deadlines, verification, decode, restore), answering vLLM "ask again later" until
+the plan is known, then an asynchronous load that the chunks stream into as they arrive; misses are
+written back. Settings: ``kv_connector_extra_config`` (``kvcodec.settings`` names: ``store``,
+``ladder``, ``key_file``, ...), else the ``KVCODEC_*`` variables, as ``kvcodec serve`` reads them;
+the model is the one vLLM serves (a local folder).
 """
 from __future__ import annotations
 
@@ -45,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..connector import HandOff, KVPages, Load, LoadSession, SaveJob, SchedulerCore, WorkerCore
 from ..connector.worker import SaveSink
+from ..format.keys import reusable_chunks
 
 log = logging.getLogger("kvcodec.vllm")
 
@@ -63,9 +78,93 @@ class Offer:
     load_s: float = 0.0
     save_s: float = 0.0
     saved_chunks: int = 0
+    own: bool = False  # made by the connector itself (standalone): it removes it when the request ends
 
 
 HANDOFF = HandOff()
+MODE_KEY = "kvcodec.offers"  # kv_connector_extra_config: "ensemble" (the llm step posts offers) or absent
+PENDING = object()  # the read's plan is not known yet: vLLM is told to ask again
+
+
+class Standalone:
+    """The scheduler half's own offers, in ``vllm serve``: the local prefix cache first, then the store
+    read in the background (``serving.readpath.ReadPath``); write-back of misses (``sink``)."""
+
+    def __init__(self, settings, card) -> None:
+        from ..connector.sink import sink_for_settings
+        from ..serving.readpath import ReadPath
+
+        self.settings, self.card = settings, card
+        self.chunk_tokens = settings.chunk_tokens
+        self.reads = ReadPath(settings, card)
+        self.sink = sink_for_settings(settings, card)
+        self._reading: Dict[str, Any] = {}
+        self.counters = {"requests": 0, "local_tokens": 0, "remote_reads": 0}
+
+    def offer(self, request, computed_tokens: int):
+        """The request's ``Offer`` (posted in the hand-off), or ``PENDING`` while its read is planning."""
+        rid = request.request_id
+        reading = self._reading.get(rid)
+        ids = list(request.prompt_token_ids or [])
+        if reading is None:
+            self.counters["requests"] += 1
+            self.counters["local_tokens"] += int(computed_tokens)
+            stored_max = reusable_chunks(len(ids), self.chunk_tokens) * self.chunk_tokens
+            if computed_tokens >= stored_max:  # vLLM holds every chunk the store could: nothing to read
+                return self._post(rid, ids, None)
+            reading = self._reading[rid] = self.reads.start(ids)
+            self.counters["remote_reads"] += 1
+        if not reading.ready.is_set():
+            return PENDING
+        del self._reading[rid]
+        return self._post(rid, ids, reading.session)
+
+    def _post(self, rid: str, ids: List[int], session: Optional[LoadSession]) -> "Offer":
+        offer = Offer(session=session, chunk_tokens=self.chunk_tokens,
+                      save=self.sink.for_prompt(ids) if self.sink is not None else None, own=True)
+        HANDOFF.post(rid, offer)
+        return offer
+
+    def finished(self, rid: str) -> None:
+        self._reading.pop(rid, None)
+        offer = HANDOFF.get(rid)
+        if offer is not None and offer.own:
+            HANDOFF.pop(rid)
+
+    def close(self) -> None:
+        self.reads.close()
+        if self.sink is not None:
+            self.sink.close()
+
+
+def standalone_settings(vllm_config):
+    """The connector's settings in ``vllm serve``: ``kv_connector_extra_config`` (settings names), else
+    ``KVCODEC_*``; the model is vLLM's (a local folder). None in the ensemble (the engine's offers)."""
+    from pathlib import Path
+
+    from ..errors import ConfigError
+    from ..settings import Settings
+
+    transfer = vllm_config.kv_transfer_config
+    extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+    if extra.pop(MODE_KEY, "") == "ensemble":
+        return None
+    backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
+    if backend not in ("uni", None):
+        raise ConfigError(f"KVCodecConnector's scheduler and worker halves meet in one process: start vLLM with "
+                          f"--distributed-executor-backend uni (got {backend!r})")
+    if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+        raise ConfigError('KVCodecConnector needs "kv_load_failure_policy": "recompute" in --kv-transfer-config: '
+                          "a chunk that fails after its tokens were promised is then recomputed by vLLM, not "
+                          "failed")
+    model = Path(str(vllm_config.model_config.model)).expanduser()
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"KVCodecConnector needs the served model as a local folder (its identity keys the "
+                          f"stored chunks), got {vllm_config.model_config.model!r}")
+    explicit = {k: str(v) for k, v in extra.items()}
+    explicit.setdefault("model", str(model))
+    explicit["engine"] = "vllm"
+    return Settings.load(explicit)
 
 
 @dataclass
@@ -90,6 +189,17 @@ class KVCodecConnector(KVConnectorBase_V1):
         self._attached: List[Load] = []  # attached since the last metadata
         self.worker = WorkerCore()
         self._load_errors: Set[int] = set()
+        self.standalone: Optional[Standalone] = None
+        if role == KVConnectorRole.SCHEDULER:
+            settings = standalone_settings(vllm_config)
+            if settings is not None:
+                from .vllm_engine import VllmEngine
+
+                self.standalone = Standalone(settings, VllmEngine.model_card(settings))
+                self.core = SchedulerCore(int(vllm_config.cache_config.block_size), settings.chunk_tokens)
+                log.info("kvcodec connector (standalone): store %s, ladder %s, chunks of %d tokens, model %s",
+                         settings.store, ",".join(settings.ladder), settings.chunk_tokens,
+                         self.standalone.card.model_id)
 
     @property
     def block_size(self) -> int:
@@ -98,6 +208,10 @@ class KVCodecConnector(KVConnectorBase_V1):
     # -- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         given, offer = HANDOFF.find(request.request_id)
+        if offer is None and self.standalone is not None:
+            offer, given = self.standalone.offer(request, num_computed_tokens), request.request_id
+            if offer is PENDING:
+                return None, False  # vLLM keeps the request waiting and asks again at its next step
         if offer is None:
             return 0, False
         prompt = len(request.prompt_token_ids or [])
@@ -146,7 +260,13 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self.core.finished(request.request_id)
+        if self.standalone is not None:
+            self.standalone.finished(request.request_id)
         return False, None
+
+    def shutdown(self):
+        if self.standalone is not None:
+            self.standalone.close()
 
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:

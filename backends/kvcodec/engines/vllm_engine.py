@@ -148,6 +148,8 @@ class VllmEngine(model_files.EngineFiles):
             **_scheduling(settings),
             kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
                                                 kv_connector_module_path="kvcodec.engines.vllm_connector",
+                                                # the llm step posts each request's offer (not standalone)
+                                                kv_connector_extra_config={"kvcodec.offers": "ensemble"},
                                                 # a chunk that fails after its tokens were promised:
                                                 # vLLM recomputes its blocks (its default fails the request)
                                                 kv_load_failure_policy="recompute"),

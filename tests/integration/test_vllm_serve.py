@@ -1,0 +1,105 @@
+"""The connector in ``vllm serve``: vLLM's own OpenAI-compatible server (``python -m
+vllm.entrypoints.openai.api_server``, real, on its CPU build) with ``--kv-transfer-config`` naming
+``KVCodecConnector``, its settings from ``KVCODEC_*`` as a user sets them. A first server computes
+completion and a chat and writes their full chunks back to the store; asked again, it answers from
+its own prefix cache (vLLM's metrics: local hits, no external ones: nothing read); a second server
+(a new process: an empty local cache) reads the chat's chunks from the store (external hits) and
+gives the same greedy tokens; the completion's chunks, damaged, are refused and computed: the same
+answer, nothing loaded."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
+
+from kvcodec.engines.gguf import ensure_model  # noqa: E402
+from kvcodec_tools.ports import free_ports  # noqa: E402
+from kvcodec_tools.services.vllm_serve import VllmServe  # noqa: E402
+
+from .conftest import text_of  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+KEY = bytes(range(32)).hex()
+QUESTION = "\n\n# Question: what does this module do?\n# Answer:"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm-serve")
+
+
+@pytest.fixture(scope="module")
+def env(home) -> dict:
+    return {"KVCODEC_HOME": str(home), "KVCODEC_STORE": f"file://{home / 'store'}", "KVCODEC_CHUNK_KEY": KEY,
+            "KVCODEC_LADDER": "raw", "KVCODEC_WRITEBACK": "raw", "KVCODEC_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def model(settings) -> Path:
+    return ensure_model(settings.model_cache).path
+
+
+def _chunks(home: Path) -> list:
+    return sorted((home / "store").glob("**/*.kvc"))
+
+
+def _wait_for_chunks(home: Path, n: int, timeout_s: float = 60) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = _chunks(home)
+        if len(found) >= n:
+            return found
+        time.sleep(0.5)
+    return _chunks(home)
+
+
+def _text(answer: dict) -> str:
+    choice = answer["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def _cached(answer: dict) -> int:
+    return int(((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_vllm_serve_writes_back_reuses_locally_then_from_the_store(home, env, model, tokenizer):
+    prompt = text_of(tokenizer, "fnmatch.py", 540) + QUESTION
+    chat = [{"role": "system", "content": text_of(tokenizer, "shlex.py", 560)},
+            {"role": "user", "content": "What does split() do?"}]
+    [port] = free_ports(1)
+    with VllmServe(model, home, env, port) as first:
+        cold = first.completion(prompt, 8)
+        completion_chunks = _wait_for_chunks(home, 2)  # its two full chunks, written back after its prefill
+        cold_chat = first.chat(chat, 8)
+        stored = _wait_for_chunks(home, 4)
+        assert len(completion_chunks) == 2 and len(stored) == 4, (stored, first.log_tail())
+        before = first.metrics()
+        hot = first.completion(prompt, 8)
+        after = first.metrics()
+        assert _text(hot) == _text(cold)
+        local = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+        external = (after.get("vllm:external_prefix_cache_hits_total", 0)
+                    - before.get("vllm:external_prefix_cache_hits_total", 0))
+        assert local >= 512 and external == 0  # the local tier: the store was not read
+    for path in completion_chunks:  # the completion's stored chunks damaged: verified, refused, computed
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    [port] = free_ports(1)
+    with VllmServe(model, home, env, port) as second:  # a new process: nothing cached locally
+        damaged = second.completion(prompt, 8)
+        m0 = second.metrics()
+        warm_chat = second.chat(chat, 8)
+        m1 = second.metrics()
+        assert _text(damaged) == _text(cold)  # the model's own answer, by prefill
+        assert m0.get("vllm:external_prefix_cache_hits_total", 0) == 0, second.log_tail()
+        assert _text(warm_chat) == _text(cold_chat)  # the chat's chunks, read from the store
+        assert m1.get("vllm:external_prefix_cache_hits_total", 0) >= 512, (m1, second.log_tail())
+        assert _cached(warm_chat) >= 512
+    print(json.dumps({"cold_s": cold["elapsed_s"], "hot_s": hot["elapsed_s"], "warm_chat_s": warm_chat["elapsed_s"],
+                      "cold_chat_s": cold_chat["elapsed_s"]}))

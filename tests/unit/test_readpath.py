@@ -1,0 +1,85 @@
+"""The ensemble's read path in one process (``serving.readpath``), as a connector that reads the
+store itself runs it: chunks a real engine wrote back (a tiny random model, ``raw``: its own KV)
+are planned, fetched, verified, decoded and restored into the request's ``LoadSession``, the plan
+known before the chunks are in; a prompt with nothing stored reads nothing and says why; a damaged
+chunk ends the usable prefix before it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcodec.engines import open_engine, tokenizer
+from kvcodec.engines.gguf import ensure_model
+from kvcodec.serving.readpath import ReadPath
+from kvcodec.settings import Settings
+from tests.other_model import write_model
+
+pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Settings, a prompt, and the engine's own KV of its two full chunks, written back to a memory store."""
+    tmp = tmp_path_factory.mktemp("readpath")
+    folder = write_model(tmp / "tiny-llama", ensure_model(REPO / ".cache" / "models").path)
+    settings = Settings.load({"model": str(folder), "model_cache": str(tmp / "cache"), "home": str(tmp / "home"),
+                              "threads": "1", "store": f"memory://{tmp.name}", "ladder": "raw",
+                              "writeback": "first", "decoder_process": "0"}, env={})
+    engine = open_engine(settings)
+    ids = tokenizer(settings).encode("def f(x):\n    return x * 2\n" * 120)[:600]
+    own = list(engine.prefill_chunks(ids, 256))
+    list(engine.stream(ids, 1))
+    assert engine.writeback.flush(60) and engine.writeback_stats()["written"] == 2
+    card, store = engine.card, engine.writeback.saver.store
+    yield settings, card, store, ids, own
+    engine.close()
+
+
+def test_a_stored_prefix_streams_into_the_requests_session(written):
+    settings, card, store, ids, own = written
+    path = ReadPath(settings, card, store=store)
+    try:
+        reading = path.start(ids)
+        assert reading.ready.wait(60) and reading.session is not None
+        assert reading.session.n_chunks == 2  # the plan, known at the first chunk
+        assert reading.done.wait(60) and reading.session.wait_settled(10)
+        np.testing.assert_array_equal(reading.session.past_kv(host=True), np.concatenate(own, axis=3))
+        assert reading.stats().reused_tokens == 512
+        assert path.counters["reads"] == 1 and path.counters["loaded_chunks"] == 2
+    finally:
+        path.close()
+
+
+def test_nothing_stored_reads_nothing_and_says_why(written):
+    settings, card, store, ids, _ = written
+    path = ReadPath(settings, card, store=store)
+    try:
+        reading = path.start([7] * 600)
+        assert reading.ready.wait(60) and reading.done.wait(60)
+        assert reading.session is None and reading.reason
+    finally:
+        path.close()
+
+
+def test_a_damaged_chunk_ends_the_usable_prefix_before_it(written):
+    from kvcodec.format.codecs import get_scheme
+    from kvcodec.format.keys import chunk_keys
+
+    settings, card, store, ids, own = written
+    key = chunk_keys(ids, card.model_id, get_scheme("raw").for_card(card).identity, 256)[1]
+    original = store.get(key)
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    store.put(key, bytes(damaged), overwrite=True)
+    path = ReadPath(settings, card, store=store)
+    try:
+        reading = path.start(ids)
+        assert reading.done.wait(60) and reading.session.wait_settled(10)
+        assert reading.session.staged_tokens == 256  # chunk 0 only: chunk 1 is refused, never used
+        np.testing.assert_array_equal(reading.session.past_kv(host=True), own[0])
+    finally:
+        store.put(key, original, overwrite=True)
+        path.close()
