@@ -31,6 +31,7 @@ name the field and the value.
 | stream_loads  | KVCODEC_STREAM_LOADS   | 1: an engine that can (vLLM, TensorRT-LLM) takes a request at its first chunk (0: after the last) |
 | async_loads   | KVCODEC_ASYNC_LOADS    | 1: a streamed request's blocks are allocated at once and each chunk written as it arrives (vLLM: an asynchronous load); 0: the engine asks again until the chunks are in, then loads them in one go (5) |
 | step_tokens   | KVCODEC_STEP_TOKENS    | 0: the engine's default token budget per step (vLLM ``max_num_batched_tokens``: 512) (5) |
+| prefix_cache  | KVCODEC_PREFIX_CACHE   | 1: vLLM keeps its own prefix cache, the first tier: the connector loads only the tokens vLLM does not hold (the response's ``reused_tokens`` counts both; ``stats.engine.local_tokens`` the local ones); 0: off, every reuse crosses the store (the benchmarks of the store path set it) |
 | exclude_input_in_output | KVCODEC_EXCLUDE_INPUT_IN_OUTPUT | 0: a ``text_input`` request that does not send ``exclude_input_in_output`` gets its prompt back before the answer, as TensorRT-LLM's model parameter of that name; 1: the answer alone (set it behind Triton's OpenAI frontend, which never sends the input) (7) |
 | prefill_slice | KVCODEC_PREFILL_SLICE  | 0: the engine's default; at most this many tokens of one long prefill per step (vLLM ``long_prefill_token_threshold``: 128; as large as step_tokens: off) (5) |
 
@@ -95,6 +96,7 @@ class Settings:
     entropy: str = "auto"  # the zstd rungs' decoder in kv_decode (ENTROPY_CHOICES)
     writeback_pending: int = 8  # write-back chunks that may wait before new ones are dropped
     exclude_input_in_output: bool = False  # a text request's answer without its prompt when it does not say
+    prefix_cache: bool = True  # vLLM's own prefix cache in front of the store
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -154,6 +156,7 @@ class Settings:
         prefill_slice = _int("prefill_slice", raw("prefill_slice") or "0", minimum=0)
         writeback_pending = _int("writeback_pending", raw("writeback_pending") or "8", minimum=1)
         exclude_input_in_output = _bool("exclude_input_in_output", raw("exclude_input_in_output") or "0")
+        prefix_cache = _bool("prefix_cache", raw("prefix_cache") or "1")
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -164,7 +167,7 @@ class Settings:
                    ingest_workers, decoder_process, decode_timeout_s, model=model, store_ca_file=store_ca_file,
                    stream_loads=stream_loads, async_loads=async_loads, step_tokens=step_tokens,
                    prefill_slice=prefill_slice, entropy=entropy, writeback_pending=writeback_pending,
-                   exclude_input_in_output=exclude_input_in_output)
+                   exclude_input_in_output=exclude_input_in_output, prefix_cache=prefix_cache)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -195,6 +198,7 @@ class Settings:
             "KVCODEC_ENTROPY": self.entropy,
             "KVCODEC_WRITEBACK_PENDING": str(self.writeback_pending),
             "KVCODEC_EXCLUDE_INPUT_IN_OUTPUT": "1" if self.exclude_input_in_output else "0",
+            "KVCODEC_PREFIX_CACHE": "1" if self.prefix_cache else "0",
         }
 
 

@@ -130,7 +130,7 @@ def run_bench(settings, repository: Path, config: BenchConfig, json_path: Path, 
         with store_behind_link(work / "nginx", token, bw, config.delay_ms, config.link_mode) as (url, link):
             links.append(dict(link.describe(), bandwidth_mbps=bw, store_url=url))
             server_settings = replace(settings, store=url, ladder=tuple(s.strip() for s in config.ladder.split(",")),
-                                      adaptive=True, threads=config.threads)
+                                      adaptive=True, threads=config.threads, prefix_cache=False)  # the store path
             server = TritonServer(repository, server_settings, Ports(*free_ports(3)))
             server.start(timeout_s=600)  # the vLLM engine takes a while to load
             try:

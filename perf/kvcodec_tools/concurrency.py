@@ -255,6 +255,7 @@ def run_concurrency(settings, repository: Path, config: ConcurrencyConfig, json_
     failures: List[str] = []
     references: Dict[Tuple[int, str], object] = {}
     # each server its own home (logs, cost model); the store and chunk key are shared
+    settings = replace(settings, prefix_cache=False)  # every reuse crosses the store
     servers = [TritonServer(repository, settings if config.servers == 1 else
                             replace(settings, home=work / f"server{i}"), Ports(*free_ports(3)))
                for i in range(config.servers)]

@@ -44,8 +44,9 @@ def demo_texts(tokenizer, target_tokens: int = CONTEXT_TOKENS):
 
 def demo_settings(settings, rung: str):
     """The demo server's settings: ``settings`` with a ladder of the one rung the demo ingests,
-    write-back off and adaptive off (see the module docstring)."""
-    return replace(settings, ladder=(rung,), writeback=(), adaptive=False)
+    write-back off, adaptive off and vLLM's own prefix cache off: the reuse run reads the store (see
+    the module docstring)."""
+    return replace(settings, ladder=(rung,), writeback=(), adaptive=False, prefix_cache=False)
 
 
 def run_demo(settings, json_path: Path, repository: Path, rung: str = DEMO_RUNG,

@@ -183,7 +183,8 @@ def run_load(settings, repository: Path, config: LoadConfig, json_path: Path, pl
         links.append(dict(link.describe(), bandwidth_mbps=config.bandwidth_mbps))
         for variant in config.variants:
             server_settings = replace(settings, store=url, ladder=(config.rung,), adaptive=False, writeback=(),
-                                      threads=config.threads, **variant_settings(variant))
+                                      threads=config.threads, prefix_cache=False,  # the store path
+                                      **variant_settings(variant))
             server = TritonServer(repository, server_settings, Ports(*free_ports(3)))
             print(f"starting tritonserver ({settings.engine}, {variant}) ...", flush=True)
             server.start(timeout_s=600)

@@ -232,7 +232,7 @@ def run(args, error) -> int:
     home = args.home.resolve()
     settings = Settings.load({"home": str(home), "store": f"file://{home / 'store'}",
                               "model_cache": str(args.model_cache.resolve()), "threads": "1",
-                              "ladder": args.ladder}, env={})
+                              "ladder": args.ladder, "prefix_cache": "0"}, env={})
     engines.prepare(settings)
     if args.text_file:
         tokenizer = make_inputs.load_tokenizer(settings.model_cache)

@@ -269,7 +269,8 @@ def run_soak(settings, repository: Path, config: SoakConfig, json_path: Path, pl
             engine.close()  # vLLM: its stepping thread; the server starts its own engine
         del engine
 
-        server_settings = replace(settings, store=url, ladder=RUNGS, adaptive=False, writeback=(RUNGS[0],))
+        server_settings = replace(settings, store=url, ladder=RUNGS, adaptive=False, writeback=(RUNGS[0],),
+                                  prefix_cache=False)  # every reuse crosses the store
         server = TritonServer(repository, server_settings, Ports(*free_ports(3)), log_path=work / "tritonserver.log")
         print(f"starting tritonserver ({engine_name}; store {url}) ...", flush=True)
         server.start(timeout_s=600)

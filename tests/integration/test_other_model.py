@@ -122,7 +122,8 @@ def test_vllm_raw_reuse_gives_the_models_own_prefill_tokens(other_model, tmp_pat
     """The same model in vLLM's paged cache (its own identity, ``/vllm-float32``): ingest, serve,
     raw reuse through the KV connector equals vLLM's own prefill."""
     pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
-    msettings = _model_settings(tmp_path, other_model, ladder="raw", engine="vllm", writeback="off")
+    # vLLM's own prefix cache off: the reuse after the prefill must come through the connector
+    msettings = _model_settings(tmp_path, other_model, ladder="raw", engine="vllm", writeback="off", prefix_cache="0")
     tok = Tokenizer(files_for(msettings))
     text = text_of(tok, "textwrap.py", 540)
     report = _ingest(msettings, tmp_path, text, "raw", "--engine", "vllm")

@@ -62,8 +62,9 @@ def deployment(request, tmp_path_factory):
         s = Settings.load({"home": str(root / name), "model_cache": str(REPO / ".cache" / "models"), "threads": "1",
                            "ladder": "raw", "engine": "vllm", "writeback": "raw", "store": service.url,
                            "key_file": str(key_file),
-                           # every reuse fetches: on a busy CPU the cost model may rightly recompute a chunk
-                           "adaptive": "0"}, env={})
+                           # every reuse fetches: on a busy CPU the cost model may rightly recompute a chunk;
+                           # and crosses the store (vLLM's own prefix cache off)
+                           "adaptive": "0", "prefix_cache": "0"}, env={})
         settings.append(s)
         servers.append(TritonServer(REPO / "model_repository", s, Ports(*free_ports(3))))
     try:

@@ -38,8 +38,9 @@ def vsettings(tmp_path_factory) -> Settings:
     return Settings.load({"home": str(home), "model_cache": str(REPO / ".cache" / "models"), "threads": "1",
                           "ladder": LADDER, "engine": "vllm", "writeback": "raw",
                           # every reuse fetches: these tests are of the engine's load path, and on a busy
-                          # CPU the adaptive fetcher may rightly recompute a chunk (test_adaptive tests it)
-                          "adaptive": "0"}, env={})
+                          # CPU the adaptive fetcher may rightly recompute a chunk (test_adaptive tests it);
+                          # vLLM's own prefix cache off (test_vllm_local_tier tests it)
+                          "adaptive": "0", "prefix_cache": "0"}, env={})
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,7 @@ class StreamReport:
     load_s: Optional[float] = None  # vllm: seconds spent writing restored KV into blocks
     saved_chunks: Optional[int] = None  # full chunks of the prompt handed to write-back
     save_copy_s: Optional[float] = None  # vllm: seconds spent copying them out of blocks
+    local_tokens: Optional[int] = None  # vllm: prompt tokens its own prefix cache held (not loaded, not computed)
 
     def engine_stats(self) -> Dict[str, Any]:
         """The fields said, but ``reused_tokens``."""

@@ -143,7 +143,7 @@ class VllmEngine(model_files.EngineFiles):
         files = self._bind(settings)
         args = EngineArgs(
             model=str(files.path), dtype=self.card.kv_dtype, enforce_eager=True, max_model_len=self.card.max_context,
-            seed=0, enable_prefix_caching=False,  # the store is the prefix cache: every reuse is measured
+            seed=0, enable_prefix_caching=settings.prefix_cache,  # the first tier (setting prefix_cache)
             disable_log_stats=True, max_logprobs=-1,  # continuation_logprobs asks for the whole vocabulary
             **_scheduling(settings),
             kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
@@ -159,6 +159,7 @@ class VllmEngine(model_files.EngineFiles):
         self._inbox: "queue.Queue" = queue.Queue()
         self._streams: Dict[str, tuple] = {}  # request id -> (its queue, whether it wants its whole output)
         self._ids = itertools.count()
+        self._told: set = set()  # requests whose cached-token count was passed on
         self._stop = threading.Event()
         self.writeback = sink_for_settings(settings, self.card)
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
@@ -183,7 +184,7 @@ class VllmEngine(model_files.EngineFiles):
         def capture(saved) -> None:
             chunks.update((index, kv.get()) for index, _, kv in saved)
 
-        for _ in self._run(ids, 1, None, capture, None):
+        for _ in self._run(ids, 1, None, capture, None, private=True):  # computed: every chunk saved
             pass
         for index in range(len(ids) // chunk_tokens):
             yield chunks[index]
@@ -205,7 +206,7 @@ class VllmEngine(model_files.EngineFiles):
 
         def row(i: int) -> np.ndarray:
             report = StreamReport()
-            output = list(self._run([0] * n + list(ids[:i + 1]), 1, past_kv, None, report, extra))[-1]
+            output = list(self._run([0] * n + list(ids[:i + 1]), 1, past_kv, None, report, extra, private=True))[-1]
             if report.reused_tokens != n:
                 raise Unsupported(f"vLLM took {report.reused_tokens} of the {n} prefix tokens")
             dist = output.outputs[0].logprobs[0]
@@ -228,9 +229,11 @@ class VllmEngine(model_files.EngineFiles):
 
     # -- one request --------------------------------------------------------------------------
     def _run(self, ids, max_tokens: int, past, save, report: Optional[StreamReport],
-             extra: Optional[dict] = None, sampling: Sampling = GREEDY) -> Iterator:
+             extra: Optional[dict] = None, sampling: Sampling = GREEDY, private: bool = False) -> Iterator:
         """The request's tokens as they come; with ``extra`` (more sampling parameters) its one
-        final ``RequestOutput`` instead. ``past``: a ``LoadSession``, KV in hand, or None."""
+        final ``RequestOutput`` instead. ``past``: a ``LoadSession``, KV in hand, or None.
+        ``private``: a cache salt of its own, so vLLM's prefix cache gives it nothing (ingest must
+        compute every chunk it saves; scoring must load the KV it is given)."""
         from ..connector import LoadSession
         from .vllm_connector import HANDOFF, Offer
 
@@ -241,7 +244,10 @@ class VllmEngine(model_files.EngineFiles):
         HANDOFF.post(request_id, offer)
         tokens: "queue.Queue" = queue.Queue()
         params = extra if extra else vllm_sampling(sampling)  # a scoring request's, or the sampling's
-        self._inbox.put(("add", request_id, list(ids), int(max_tokens), tokens, params))
+        prompt = {"prompt_token_ids": list(ids)}
+        if private:
+            prompt["cache_salt"] = request_id
+        self._inbox.put(("add", request_id, prompt, int(max_tokens), tokens, params))
         done = False
         try:
             while True:
@@ -251,6 +257,10 @@ class VllmEngine(model_files.EngineFiles):
                 if item is None:
                     done = True
                     return
+                if isinstance(item, tuple):  # ("cached", n): what vLLM did not compute, local and loaded
+                    if report is not None and self.settings.prefix_cache:
+                        report.local_tokens = max(0, int(item[1]) - offer.promised_tokens)
+                    continue
                 if report is not None and report.reused_tokens is None:
                     report.reused_tokens, report.promised_tokens = offer.loaded_tokens, offer.promised_tokens
                     report.async_load, report.load_s = offer.asynchronous, round(offer.load_s, 6)
@@ -279,17 +289,18 @@ class VllmEngine(model_files.EngineFiles):
                 if command is None:
                     return
                 if command[0] == "add":
-                    _, request_id, ids, max_tokens, out, extra = command
+                    _, request_id, prompt, max_tokens, out, extra = command
                     try:
                         whole = "logprobs" in extra  # a scoring request: its one final output
                         kind = RequestOutputKind.FINAL_ONLY if whole else RequestOutputKind.DELTA
                         params = SamplingParams(max_tokens=max_tokens, output_kind=kind,
                                                 **{"temperature": 0.0, **extra})
-                        engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+                        engine.add_request(request_id, prompt, params)
                         self._streams[request_id] = (out, whole)
                     except Exception as exc:  # e.g. a prompt longer than the engine's context, a bad word
                         out.put(BadRequest(str(exc)[:300]) if _refused(exc) else exc)
                 elif command[0] == "abort":
+                    self._told.discard(command[1])
                     if self._streams.pop(command[1], None) is not None:  # still running
                         engine.abort_request([command[1]])
             if not self._streams:
@@ -311,11 +322,15 @@ class VllmEngine(model_files.EngineFiles):
                 if whole:  # a scoring request (``extra``): its one final output
                     out.put(output)
                 else:
+                    if output.num_cached_tokens is not None and output.request_id not in self._told:
+                        out.put(("cached", output.num_cached_tokens))  # once, before the first token
+                        self._told.add(output.request_id)
                     for token in output.outputs[0].token_ids:
                         out.put(int(token))
                 if output.finished:
                     out.put(None)
                     del self._streams[output.request_id]
+                    self._told.discard(output.request_id)
 
 
 def _refused(exc: Exception) -> bool:

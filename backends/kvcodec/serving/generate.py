@@ -120,8 +120,8 @@ def _refreshed(before: RequestStats, after: RequestStats, why: str) -> RequestSt
 
 def _took(stats: RequestStats, report: StreamReport, n_ids: int) -> None:
     """What the engine says it reused: a paged engine takes whole blocks of the restored KV."""
-    if report.reused_tokens is not None:
-        stats.reused_tokens = int(report.reused_tokens)
+    if report.reused_tokens is not None:  # from the store, and from the engine's own prefix cache
+        stats.reused_tokens = int(report.reused_tokens) + int(report.local_tokens or 0)
         stats.computed_tokens = n_ids - stats.reused_tokens
     stats.engine.update(report.engine_stats())
 
