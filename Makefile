@@ -9,7 +9,7 @@ VBIN   := .venv-vllm/bin
 VSTAMP := .venv-vllm/.kvcodec-installed
 ENGINE ?= transformers
 
-.PHONY: setup setup-vllm demo test test-vllm unit integration bench lint clean s3-store docs-settings
+.PHONY: setup setup-vllm setup-lmcache demo test test-vllm unit integration bench lint clean s3-store docs-settings
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
@@ -37,6 +37,18 @@ $(VSTAMP): requirements.txt requirements-vllm.txt pyproject.toml
 	touch $@
 
 setup-vllm: $(VSTAMP)
+
+# LMCache (the peer `kvcodec bench peers` measures against) with vLLM's CPU build, in a venv of its own.
+LSTAMP := .venv-lmcache/.installed
+$(LSTAMP): requirements-lmcache.txt
+	test -x .venv-lmcache/bin/python || $(PYTHON) -m venv .venv-lmcache
+	.venv-lmcache/bin/pip install -q --upgrade pip
+	.venv-lmcache/bin/pip install -q -r requirements-lmcache.txt
+	.venv-lmcache/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	.venv-lmcache/bin/python -c 'import vllm, lmcache'
+	touch $@
+
+setup-lmcache: $(LSTAMP)
 
 # `make demo` (the transformers engine) or `make demo ENGINE=vllm` (vLLM's paged cache, its venv).
 demo: setup

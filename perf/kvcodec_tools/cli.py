@@ -50,7 +50,7 @@ COMMANDS = (
     "kvcodec_tools.generate_cli",  # generate
     "kvcodec_tools.quality.evaluate_cli",  # eval
     ("bench", "benchmarks", ("kvcodec_tools.bench", "kvcodec_tools.concurrency", "kvcodec_tools.loadbench",
-                             "kvcodec_tools.run_perf")),
+                             "kvcodec_tools.run_perf", "kvcodec_tools.peers")),
     "kvcodec_tools.soak",  # soak
     "kvcodec_tools.repository_cli",  # repository
     "kvcodec_tools.quality.rd",  # rd

@@ -36,11 +36,12 @@ ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 class VllmServe:
     def __init__(self, model: Path, root: Path, env: Mapping[str, str], port: int, connector: bool = True,
-                 prefix_cache: bool = True, max_model_len: int = 4096, extra_args: Optional[List[str]] = None) -> None:
+                 prefix_cache: bool = True, max_model_len: int = 8192, extra_args: Optional[List[str]] = None,
+                 python: Optional[Path] = None) -> None:
         self.model, self.root, self.port = Path(model), Path(root), int(port)
         self.url = f"http://127.0.0.1:{port}"
         self.log = self.root / f"vllm-serve-{port}.log"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        cmd = [str(python or sys.executable), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0",
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
@@ -88,6 +89,30 @@ class VllmServe:
                                              "temperature": 0.0, **sampling})
         out["elapsed_s"] = time.perf_counter() - t0
         return out
+
+    def streamed(self, prompt: str, max_tokens: int) -> dict:
+        """``/v1/completions`` streamed, greedy: ``ttft_s`` (the first text's arrival), ``text``, and
+        ``cached_tokens`` (``usage.prompt_tokens_details``, where the server reports it)."""
+        body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        ttft, texts, cached = None, [], None
+        with urllib.request.urlopen(request, timeout=600) as r:
+            for raw in r:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                for choice in event.get("choices") or []:
+                    if choice.get("text"):
+                        ttft = ttft if ttft is not None else time.perf_counter() - t0
+                        texts.append(choice["text"])
+                usage = event.get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
+        return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "text": "".join(texts),
+                "cached_tokens": cached, "elapsed_s": time.perf_counter() - t0}
 
     def chat(self, messages: List[Dict[str, str]], max_tokens: int, **sampling) -> dict:
         t0 = time.perf_counter()
