@@ -14,7 +14,9 @@ shaper) at each ``--bandwidth-mbps``. Methods (``--methods``):
 
 Each method, at each rate: a first server computes every prompt and stores its KV (write-back /
 LMCache's store); then a new server (and a new ``lmcache server``: its memory tier empty) answers
-each prompt once, with vLLM's prefix cache off, so every reuse crosses the link: TTFT (streamed,
+each prompt once, with vLLM's prefix cache off, so every reuse crosses the link (KVCodec's server
+keeps one home across the two, as a deployed server does: its cost model has seen the prefills
+and the link): TTFT (streamed,
 first token), the tokens (8, greedy) against prefill's, the bytes Redis sent per reused token, CPU
 seconds and peak RSS of every process of the method (LMCache's server included); with
 ``--clients 4`` the prompts go 4 at a time. Rows (``perf/results/peers.json``, ``"rows"``): ``method``,
@@ -196,10 +198,12 @@ def method_server(method: str, model: Path, root: Path, store_url: str, redis_ho
             yield server
         return
     if base == "kvcodec-vllm-serve":
-        env = {"KVCODEC_HOME": str(root / "home"), "KVCODEC_STORE": store_url,
+        env = {"KVCODEC_HOME": str(root.parent / "home"), "KVCODEC_STORE": store_url,  # one home: its cost model
                "KVCODEC_MODEL_CACHE": str(REPO / ".cache" / "models"), "KVCODEC_THREADS": "1",
                "KVCODEC_CHUNK_KEY": _chunk_key(root.parent), "KVCODEC_LADDER": rung or ADAPTIVE_LADDER,
-               "KVCODEC_WRITEBACK": rung or ADAPTIVE_LADDER, "KVCODEC_ADAPTIVE": "0" if rung else "1"}
+               "KVCODEC_WRITEBACK": rung or ADAPTIVE_LADDER, "KVCODEC_ADAPTIVE": "0" if rung else "1",
+               # the populating server stores every chunk of every prompt (a deployed one drops past 8 waiting)
+               "KVCODEC_WRITEBACK_PENDING": "4096"}
         with VllmServe(model, root, env, _port(), prefix_cache=prefix_cache, python=VLLM_PYTHON) as server:
             footprint.watch("vllm", server.process.pid)
             yield server
@@ -334,7 +338,15 @@ def run_peers(config: PeersConfig, json_path: Path, plot_path: Optional[Path], w
 
 
 def write(rows: List[dict], config: PeersConfig, path: Path) -> None:
+    """``rows`` into ``path``, keeping the rows already there of (method, rate) pairs not run now."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    ran = {(r["method"], r["bandwidth_mbps"]) for r in rows}
+    try:
+        kept = [r for r in json.loads(path.read_text())["rows"] if (r["method"], r["bandwidth_mbps"]) not in ran]
+    except (OSError, ValueError, KeyError):
+        kept = []
+    rows = sorted(kept + rows, key=lambda r: (r["bandwidth_mbps"], METHODS.index(method_parts(r["method"])[0]),
+                                              r["method"], r["clients"]))
     path.write_text(json.dumps({"rows": rows, "config": asdict(config), "model": "SmolLM2-135M-Instruct, float32",
                                 "machine": f"{os.cpu_count()} CPU cores", "python": sys.version.split()[0]},
                                indent=2) + "\n")

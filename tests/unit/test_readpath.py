@@ -5,6 +5,7 @@ known before the chunks are in; a prompt with nothing stored reads nothing and s
 chunk ends the usable prefix before it."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +84,44 @@ def test_a_damaged_chunk_ends_the_usable_prefix_before_it(written):
     finally:
         store.put(key, original, overwrite=True)
         path.close()
+
+
+def test_reads_at_once_each_get_the_same_exact_chunks(tmp_path):
+    """Four reads side by side over one read path (int8-zstd: a stateful decompressor): every
+    session complete and identical (shared decoder state once corrupted concurrent decodes)."""
+    folder = write_model(tmp_path / "tiny-llama", ensure_model(REPO / ".cache" / "models").path)
+    settings = Settings.load({"model": str(folder), "model_cache": str(tmp_path / "cache"),
+                              "home": str(tmp_path / "home"), "threads": "1", "store": f"memory://{tmp_path.name}",
+                              "ladder": "int8-zstd", "writeback": "int8-zstd", "decoder_process": "0",
+                              "adaptive": "0"}, env={})
+    engine = open_engine(settings)
+    try:
+        ids = tokenizer(settings).encode("def g(y):\n    return y + 1\n" * 200)[:1100]
+        list(engine.stream(ids, 1))
+        assert engine.writeback.flush(60) and engine.writeback_stats()["written"] == 4
+        path = ReadPath(settings, engine.card, store=engine.writeback.saver.store, workers=4)
+        inside, most = [0], [0]
+        real_run = path.decode.run
+
+        def probed(info, data):  # counts the decodes running at once (the real one inside)
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            time.sleep(0.02)
+            try:
+                return real_run(info, data)
+            finally:
+                inside[0] -= 1
+
+        path.decode.run = probed
+        try:
+            readings = [path.start(ids) for _ in range(4)]
+            assert all(r.done.wait(120) for r in readings)
+            kvs = [r.session.past_kv(host=True) for r in readings]
+            assert all(r.session.staged_tokens == 1024 for r in readings), [r.reason for r in readings]
+            for kv in kvs[1:]:
+                np.testing.assert_array_equal(kv, kvs[0])
+            assert most[0] == 1  # decodes took turns
+        finally:
+            path.close()
+    finally:
+        engine.close()

@@ -64,6 +64,9 @@ class ReadPath:
         self.assembler = Assembler()
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="kv-read")
         self._lock = threading.Lock()
+        # one decode and restore at a time: the decoders keep state that two threads must not share
+        # (a zstd decompressor gave "Data corruption detected" with four reads at once)
+        self._decoding = threading.Lock()
         self.counters: Dict[str, int] = {"reads": 0, "planned_tokens": 0, "loaded_chunks": 0, "failed": 0}
 
     def start(self, ids: Sequence[int]) -> Reading:
@@ -78,8 +81,9 @@ class ReadPath:
     def _run(self, ids, reading: Reading) -> None:
         self._count("reads")
         try:
-            for info, data in self.fetcher.fetch(ids, uuid.uuid4().hex):
-                kv = self.restore.run(info, self.decode.run(info, data))
+            for info, data in self.fetcher.fetch(ids, uuid.uuid4().hex):  # fetches overlap; decodes take turns
+                with self._decoding:
+                    kv = self.restore.run(info, self.decode.run(info, data))
                 arrival = self.assembler.arrive(info, kv)
                 if arrival.first:
                     reading.chunks = arrival.chunks
@@ -104,6 +108,9 @@ class ReadPath:
             reading.ready.set()
             reading.done.set()
             stats = reading.stats()
+            if stats is not None and stats.miss_reason:  # the read stopped short of its plan: say why
+                log.warning("read used %d of %d planned tokens: %s", stats.reused_tokens,
+                            reading.session.planned_tokens, stats.miss_reason)
             if stats is not None:
                 try:
                     record_request(self.costs, stats, self.settings.chunk_tokens)
