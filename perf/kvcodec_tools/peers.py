@@ -10,18 +10,26 @@ shaper) at each ``--bandwidth-mbps``. Methods (``--methods``):
   an ``lmcache server`` with Redis as its L2 through ``resp``; ``fp8``: its fp8 serde), from
   ``.venv-lmcache`` (``make setup-lmcache``);
 - ``kvcodec-vllm-serve`` (the adaptive ladder) and ``kvcodec-vllm-serve:RUNG`` (one static rung):
-  vLLM's OpenAI server with ``KVCodecConnector`` (``docs/engines-and-models.md``), from ``.venv-vllm``.
+  vLLM's OpenAI server with ``KVCodecConnector`` (``docs/engines-and-models.md``), from ``.venv-vllm``;
+- ``kvcodec-ensemble`` (and ``:RUNG``): the Triton ensemble (a real tritonserver on the model
+  repository) on the vLLM engine, over gRPC streaming (``KVCodecClient``).
 
 Each method, at each rate: a first server computes every prompt and stores its KV (write-back /
 LMCache's store); then a new server (and a new ``lmcache server``: its memory tier empty) answers
-each prompt once, with vLLM's prefix cache off, so every reuse crosses the link (KVCodec's server
-keeps one home across the two, as a deployed server does: its cost model has seen the prefills
-and the link): TTFT (streamed,
-first token), the tokens (8, greedy) against prefill's, the bytes Redis sent per reused token, CPU
-seconds and peak RSS of every process of the method (LMCache's server included); with
-``--clients 4`` the prompts go 4 at a time. Rows (``perf/results/peers.json``, ``"rows"``): ``method``,
-``bandwidth_mbps``, ``clients``, ``context_tokens``, ``ttft_p50_s``, ``ttft_p90_s``,
-``bytes_per_token``, ``tokens_match``, ``mode`` (vLLM's process mode), ``processes``; and a plot.
+a short warm-up prompt (no stored chunk: the server's one-time costs) and then each prompt once,
+so every reuse crosses the link (KVCodec's servers keep one home across the two, as a deployed
+server does: its cost model has seen the prefills and the link). vLLM's prefix cache is on, as
+users run it; the prompts share no block, so nothing measured is served locally
+(``local_hit_tokens``: vLLM's ``prefix_cache_hits`` counter, the ensemble's ``local_tokens``, 0).
+Per row: TTFT (streamed, first token), the tokens (8, greedy) against prefill's, the bytes Redis
+sent per reused token, CPU seconds and peak RSS of every process of the method (LMCache's server
+included); with ``--clients 4`` the prompts go 4 at a time. After the one-client measurement the
+same server answers the quality gate (``kvcodec_tools.quality.served_gate``: teacher-forced on
+prefill's greedy path, mean KL and top-1 agreement over its top-5000 log-probabilities; the lossy
+rows' like-for-like test; not asked of the ensemble, whose interface has no log-probabilities).
+Rows (``perf/results/peers.json``, ``"rows"``): ``method``, ``bandwidth_mbps``, ``clients``,
+``context_tokens``, ``ttft_p50_s``, ``ttft_p90_s``, ``bytes_per_token``, ``tokens_match``, ``gate``,
+``local_hit_tokens``, ``mode`` (vLLM's process mode), ``processes``; and a plot.
 """
 from __future__ import annotations
 
@@ -42,7 +50,8 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 LMCACHE_VENV = REPO / ".venv-lmcache"
 RESULTS = REPO / "perf" / "results" / "peers.json"
-METHODS = ("prefill", "lmcache", "lmcache-fp8", "kvcodec-vllm-serve")
+METHODS = ("prefill", "lmcache", "lmcache-fp8", "kvcodec-vllm-serve", "kvcodec-ensemble")
+KVCODEC = ("kvcodec-vllm-serve", "kvcodec-ensemble")
 SOURCES = ("argparse.py", "typing.py", "inspect.py", "pathlib.py", "ast.py", "enum.py", "subprocess.py", "tarfile.py")
 QUESTION = "\n\n# Question: what does the code above do?\n# Answer:"
 ANSWER_TOKENS = 8
@@ -68,8 +77,8 @@ def method_parts(method: str) -> Tuple[str, Optional[str]]:
     if base not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)} (kvcodec-vllm-serve:RUNG for a static rung), "
                          f"got {method!r}")
-    if rung and base != "kvcodec-vllm-serve":
-        raise ValueError(f"only kvcodec-vllm-serve takes a rung, got {method!r}")
+    if rung and base not in KVCODEC:
+        raise ValueError(f"only {' and '.join(KVCODEC)} take a rung, got {method!r}")
     return base, rung or None
 
 
@@ -183,18 +192,28 @@ def _port() -> int:
     return free_ports(1)[0]
 
 
+# the vLLM OpenAI servers answer the gate's top-k log-probabilities
+LOGPROBS_ARGS = ["--max-logprobs", "5000"]
+
+
 @contextlib.contextmanager
 def method_server(method: str, model: Path, root: Path, store_url: str, redis_host_port: Tuple[str, int],
                   password: str, config: PeersConfig, prefix_cache: bool, footprint: Footprint) -> Iterator[object]:
-    """The method's OpenAI server (and LMCache's server), ready."""
+    """The method's server (and LMCache's server), ready: vLLM's OpenAI server, or the Triton
+    ensemble behind ``EnsembleServer``'s two calls."""
     from kvcodec_tools.services.vllm_serve import VllmServe
 
     base, rung = method_parts(method)
     root.mkdir(parents=True, exist_ok=True)
     if base == "prefill":
-        with VllmServe(model, root, {}, _port(), connector=False, prefix_cache=False,
-                       python=VLLM_PYTHON) as server:
+        with VllmServe(model, root, {}, _port(), connector=False, prefix_cache=prefix_cache,
+                       python=VLLM_PYTHON, extra_args=LOGPROBS_ARGS) as server:
             footprint.watch("vllm", server.process.pid)
+            yield server
+        return
+    if base == "kvcodec-ensemble":
+        with ensemble_server(root, store_url, rung, prefix_cache) as server:
+            footprint.watch("tritonserver", server.pid)
             yield server
         return
     if base == "kvcodec-vllm-serve":
@@ -204,7 +223,8 @@ def method_server(method: str, model: Path, root: Path, store_url: str, redis_ho
                "KVCODEC_WRITEBACK": rung or ADAPTIVE_LADDER, "KVCODEC_ADAPTIVE": "0" if rung else "1",
                # the populating server stores every chunk of every prompt (a deployed one drops past 8 waiting)
                "KVCODEC_WRITEBACK_PENDING": "4096"}
-        with VllmServe(model, root, env, _port(), prefix_cache=prefix_cache, python=VLLM_PYTHON) as server:
+        with VllmServe(model, root, env, _port(), prefix_cache=prefix_cache, python=VLLM_PYTHON,
+                       extra_args=LOGPROBS_ARGS) as server:
             footprint.watch("vllm", server.process.pid)
             yield server
         return
@@ -215,15 +235,61 @@ def method_server(method: str, model: Path, root: Path, store_url: str, redis_ho
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
         with VllmServe(model, root, env, _port(), connector=False, prefix_cache=prefix_cache,
                        python=LMCACHE_VENV / "bin" / "python",
-                       extra_args=["--kv-transfer-config", json.dumps(transfer)]) as server:
+                       extra_args=["--kv-transfer-config", json.dumps(transfer), *LOGPROBS_ARGS]) as server:
             footprint.watch("vllm", server.process.pid)
             yield server
+
+
+class EnsembleServer:
+    """The Triton ensemble (``kvcodec serve`` on the vLLM engine) behind ``VllmServe``'s calls, over
+    gRPC streaming (``KVCodecClient``): ``cached_tokens`` is the response's ``reused_tokens``."""
+
+    def __init__(self, server) -> None:
+        from kvcodec_client.client import KVCodecClient
+
+        self.server, self.pid = server, server.pid
+        self.client = KVCodecClient(server.grpc_url, "grpc")
+
+    def completion(self, prompt: str, max_tokens: int) -> dict:
+        return self.streamed(prompt, max_tokens)
+
+    def streamed(self, prompt: str, max_tokens: int) -> dict:
+        r = self.client.generate(prompt, max_tokens)
+        return {"ttft_s": r.ttft_s, "text": r.text, "cached_tokens": r.reused_tokens, "elapsed_s": r.total_s,
+                "local_tokens": (r.stats.get("engine") or {}).get("local_tokens")}
+
+
+@contextlib.contextmanager
+def ensemble_server(root: Path, store_url: str, rung: Optional[str], prefix_cache: bool) -> Iterator[EnsembleServer]:
+    """A real tritonserver on the model repository, vLLM engine, the store behind the link; one
+    home across the populating and measuring servers (its cost model), as ``kvcodec-vllm-serve``."""
+    from kvcodec.settings import Settings
+    from kvcodec_tools.cli import DEFAULT_REPOSITORY
+    from kvcodec_tools.ports import free_ports
+    from kvcodec_tools.tritonserver import Ports, TritonServer
+
+    key_file = root.parent / "chunk.key"
+    if not key_file.exists():
+        key_file.write_text(_chunk_key(root.parent) + "\n")
+        key_file.chmod(0o600)
+    ladder = rung or ADAPTIVE_LADDER
+    settings = Settings.load({"home": str(root.parent / "home"), "store": store_url, "engine": "vllm",
+                              "model_cache": str(REPO / ".cache" / "models"), "threads": "1", "ladder": ladder,
+                              "writeback": ladder, "adaptive": "0" if rung else "1", "key_file": str(key_file),
+                              "writeback_pending": "4096", "prefix_cache": "1" if prefix_cache else "0"}, env={})
+    server = TritonServer(DEFAULT_REPOSITORY, settings, Ports(*free_ports(3)), log_path=root / "tritonserver.log")
+    server.start(timeout_s=600)
+    try:
+        yield EnsembleServer(server)
+    finally:
+        server.stop()
 
 
 def _chunk_key(root: Path) -> str:
     path = root / "chunk.key.hex"
     if not path.exists():
         path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
     return path.read_text().strip()
 
 
@@ -268,8 +334,36 @@ def measure(server, texts: List[str], clients: int) -> List[dict]:
         return list(pool.map(one, texts))
 
 
+@dataclass
+class Reference:
+    """Prefill's answers at this rate (``answers``: prompt -> greedy text) and its gate path
+    (``gate``: prompt -> (token ids, greedy tokens, top-k log-probabilities at each))."""
+    answers: Dict[str, str] = field(default_factory=dict)
+    gate: Dict[str, tuple] = field(default_factory=dict)
+
+
+def gate_row(method: str, server, texts: List[str], reference: Reference) -> Optional[dict]:
+    """The quality gate (``kvcodec_tools.quality.served_gate``) of the server that has just answered
+    ``texts`` (their KV loaded as the method stores it): prefill records the reference path, every
+    other vLLM OpenAI row is asked along it. ``None`` for the ensemble (no log-probabilities there)."""
+    from kvcodec_tools.quality import served_gate
+
+    base, _ = method_parts(method)
+    if base == "kvcodec-ensemble":
+        return None
+    if base == "prefill":
+        for text in texts:
+            ids = served_gate.tokenize(server.url, text)
+            reference.gate[text] = (ids, *served_gate.reference_path(server.url, ids))
+        return None
+    if not reference.gate:
+        return None
+    tested = [served_gate.forced(server.url, reference.gate[t][0], reference.gate[t][1]) for t in texts]
+    return served_gate.verdict([reference.gate[t][2] for t in texts], tested)
+
+
 def run_method(method: str, rate: float, model: Path, work: Path, texts: List[str], store: tuple,
-               config: PeersConfig, reference: Dict[str, list], log=print) -> List[dict]:
+               config: PeersConfig, reference: Reference, log=print) -> List[dict]:
     url, password, address = store
     rows = []
     footprint = Footprint()
@@ -282,32 +376,44 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
             settle(address, password)  # write-back / LMCache's store to L2 finishes off the request's path
     for clients in config.clients:
         before = redis_info(address, password) if base != "prefill" else {}
-        with method_server(method, model, work / f"measure-{clients}", url, address, password, config, False,
-                           footprint) as server:
+        # vLLM's prefix cache on (the prompts share no block: nothing of them is local, which
+        # ``local_hit_tokens`` shows); the ensemble's off (its steps would fetch regardless)
+        with method_server(method, model, work / f"measure-{clients}", url, address, password, config,
+                           base != "kvcodec-ensemble", footprint) as server:
+            server.completion("Hello", 1)  # the server's one-time costs, no stored chunk
             t0 = time.monotonic()
             answers = measure(server, texts, clients)
             footprint.sample()
             wall = time.monotonic() - t0
-        after = redis_info(address, password) if base != "prefill" else {}
+            after = redis_info(address, password) if base != "prefill" else {}
+            local = (sum(a.get("local_tokens") or 0 for a in answers) if base == "kvcodec-ensemble"
+                     else server.metrics().get("vllm:prefix_cache_hits_total"))
+            gate = gate_row(method, server, texts, reference) if clients == config.clients[0] else None
         sent = after.get("total_net_output_bytes", 0) - before.get("total_net_output_bytes", 0)
         reused = sum((config.context_tokens // config.chunk_tokens) * config.chunk_tokens for _ in texts)
         ttfts = [a["ttft_s"] for a in answers]
-        if base == "prefill" and clients == 1:
-            reference.update({t: a["text"] for t, a in zip(texts, answers, strict=True)})
-        match = [reference.get(t) == a["text"] for t, a in zip(texts, answers, strict=True)] if reference else []
+        if base == "prefill" and clients == config.clients[0]:
+            reference.answers.update({t: a["text"] for t, a in zip(texts, answers, strict=True)})
+        match = ([reference.answers.get(t) == a["text"] for t, a in zip(texts, answers, strict=True)]
+                 if reference.answers else [])
         row = {"method": method, "bandwidth_mbps": rate, "clients": clients, "context_tokens": config.context_tokens,
                **summarize(ttfts), "ttfts_s": [round(x, 4) for x in ttfts],
                "bytes_per_token": round(sent / reused, 1) if base != "prefill" and reused else None,
                "tokens_match": all(match) if match else None, "tokens_matched": sum(match) if match else None,
-               "cached_tokens": [a.get("cached_tokens") for a in answers], "wall_s": round(wall, 2),
-               "mode": "vLLM multiprocess (LMCacheMPConnector)" if base.startswith("lmcache") else
-               ("vLLM in the server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" if base.startswith("kvcodec")
-                else "vLLM multiprocess"),
-               "processes": footprint.report()}
+               "cached_tokens": [a.get("cached_tokens") for a in answers], "local_hit_tokens": local,
+               "gate": gate, "wall_s": round(wall, 2), "mode": MODES[base], "processes": footprint.report()}
         log(f"  {method} @ {rate:g} Mbit/s, {clients} client(s): TTFT p50 {row['ttft_p50_s']:.3f} s, "
-            f"p90 {row['ttft_p90_s']:.3f} s; bytes/token {row['bytes_per_token']}; tokens match {row['tokens_match']}")
+            f"p90 {row['ttft_p90_s']:.3f} s; bytes/token {row['bytes_per_token']}; tokens match {row['tokens_match']}"
+            + (f"; gate mean KL {gate['mean_kl']}, top-1 {gate['top1_agreement']}, passes {gate['passes']}"
+               if gate else ""))
         rows.append(row)
     return rows
+
+
+MODES = {"prefill": "vLLM multiprocess", "lmcache": "vLLM multiprocess (LMCacheMPConnector)",
+         "lmcache-fp8": "vLLM multiprocess (LMCacheMPConnector)",
+         "kvcodec-vllm-serve": "vLLM in the server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+         "kvcodec-ensemble": "vLLM in the llm step's python stub (Triton ensemble, gRPC streaming)"}
 
 
 def run_peers(config: PeersConfig, json_path: Path, plot_path: Optional[Path], work: Path) -> int:
@@ -322,7 +428,7 @@ def run_peers(config: PeersConfig, json_path: Path, plot_path: Optional[Path], w
     texts = prompts(Tokenizer(files), config)
     rows: List[dict] = []
     for rate in config.bandwidths:
-        reference: Dict[str, list] = {}
+        reference = Reference()
         methods = sorted(config.methods, key=lambda m: m != "prefill")  # prefill first: the reference tokens
         for method in methods:
             print(f"[{rate:g} Mbit/s] {method}", flush=True)

@@ -67,6 +67,17 @@ def _cached(answer: dict) -> int:
     return int(((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
+def _settled(server, ok, wait_s: float = 10.0) -> dict:
+    """The server's metrics once ``ok`` holds (a read's counts are added as it ends, just after the
+    answer can have gone)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        m = server.metrics()
+        if ok(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
 def test_vllm_serve_writes_back_reuses_locally_then_from_the_store(home, env, model, tokenizer):
     prompt = text_of(tokenizer, "fnmatch.py", 540) + QUESTION
     chat = [{"role": "system", "content": text_of(tokenizer, "shlex.py", 560)},
@@ -86,6 +97,9 @@ def test_vllm_serve_writes_back_reuses_locally_then_from_the_store(home, env, mo
         external = (after.get("vllm:external_prefix_cache_hits_total", 0)
                     - before.get("vllm:external_prefix_cache_hits_total", 0))
         assert local >= 512 and external == 0  # the local tier: the store was not read
+        # the connector's own families on vLLM's /metrics: the local tokens, the chunks written back
+        assert after.get("kvcodec_local_tokens_total", 0) >= 512, after
+        assert after.get("kvcodec_writeback_chunks_total", 0) >= 4 and after.get("kvcodec_fetched_bytes_total", 0) == 0
     for path in completion_chunks:  # the completion's stored chunks damaged: verified, refused, computed
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -101,5 +115,9 @@ def test_vllm_serve_writes_back_reuses_locally_then_from_the_store(home, env, mo
         assert _text(warm_chat) == _text(cold_chat)  # the chat's chunks, read from the store
         assert m1.get("vllm:external_prefix_cache_hits_total", 0) >= 512, (m1, second.log_tail())
         assert _cached(warm_chat) >= 512
+        m2 = _settled(second, lambda m: m.get("kvcodec_reused_tokens_total", 0) >= 512)
+        assert m2.get("kvcodec_misses_total", 0) >= 1  # the damaged chunks' read (reason label: corrupt)
+        assert m2.get("kvcodec_fetched_bytes_total", 0) > 0 and m2.get("kvcodec_store_breaker_state") == 0
+        assert 'reason="corrupt"' in second.metrics_text(), second.log_tail()
     print(json.dumps({"cold_s": cold["elapsed_s"], "hot_s": hot["elapsed_s"], "warm_chat_s": warm_chat["elapsed_s"],
                       "cold_chat_s": cold_chat["elapsed_s"]}))

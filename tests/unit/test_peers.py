@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_method_names():
     assert method_parts("lmcache-fp8") == ("lmcache-fp8", None)
     assert method_parts("kvcodec-vllm-serve:int8-zstd") == ("kvcodec-vllm-serve", "int8-zstd")
+    assert method_parts("kvcodec-ensemble:raw") == ("kvcodec-ensemble", "raw")
     for bad in ("lmcache:raw", "vllm", "prefill:raw"):
         with pytest.raises(ValueError):
             method_parts(bad)
@@ -32,3 +33,24 @@ def test_prompts_are_distinct_texts_of_the_asked_length():
     assert len(set(texts)) == 3 and all(t.endswith(QUESTION) for t in texts)
     for t in texts:
         assert 600 <= len(tok.encode(t[:-len(QUESTION)])) < 700
+
+
+def test_served_gate_kl_and_top1():
+    """KL over the reference's tokens (a token the tested list lacks takes its lowest
+    log-probability), top-1 agreement, and the gate's verdict."""
+    import math
+
+    from kvcodec_tools.quality.served_gate import kl, verdict
+
+    ref = {1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.1)}
+    assert kl(ref, dict(ref)) == 0.0
+    near = {1: math.log(0.69), 2: math.log(0.21), 3: math.log(0.1)}
+    assert 0 < kl(ref, near) < 0.001
+    flipped = {2: math.log(0.6), 1: math.log(0.3), 4: math.log(0.1)}  # token 3 missing: takes log 0.1
+    expected = 0.7 * math.log(0.7 / 0.3) + 0.2 * math.log(0.2 / 0.6) + 0.1 * math.log(0.1 / 0.1)
+    assert kl(ref, flipped) == pytest.approx(expected)
+    same = verdict([[ref, ref]], [[near, ref]])
+    assert same["passes"] and same["top1_agreement"] == 1.0 and same["positions"] == 2
+    assert same["reference_mass_min"] == pytest.approx(1.0)
+    off = verdict([[ref, ref]], [[flipped, ref]])
+    assert not off["passes"] and off["top1_agreement"] == 0.5

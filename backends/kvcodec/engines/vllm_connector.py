@@ -39,7 +39,9 @@ prefix vLLM already holds, ``num_computed_tokens``, reads nothing), and for the 
 read in the background through the ensemble's read path (``serving.readpath``: plan, adaptive
 rungs, breaker, deadlines, verification, decode, restore), answering vLLM "ask again later" until
 the plan is known, then an asynchronous load that the chunks stream into as they arrive; misses are
-written back. Settings: ``kv_connector_extra_config`` (``kvcodec.settings`` names: ``store``,
+written back; its metrics (the Triton server's families: reads by outcome, misses by reason, reused
+and local tokens, bytes, breaker, write-back) reach vLLM's ``/metrics`` through vLLM's connector
+stats (``get_kv_connector_stats`` here, ``build_prom_metrics`` in the API server: ``vllm_metrics``). Settings: ``kv_connector_extra_config`` (``kvcodec.settings`` names: ``store``,
 ``ladder``, ``key_file``, ...), else the ``KVCODEC_*`` variables, as ``kvcodec serve`` reads them;
 the model is the one vLLM serves (a local folder).
 """
@@ -56,10 +58,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ..connector import HandOff, KVPages, Load, LoadSession, SaveJob, SchedulerCore, WorkerCore
 from ..connector.worker import SaveSink
 from ..format.keys import reusable_chunks
+from . import vllm_metrics
 
 log = logging.getLogger("kvcodec.vllm")
 
@@ -96,8 +100,11 @@ class Standalone:
 
         self.settings, self.card = settings, card
         self.chunk_tokens = settings.chunk_tokens
-        self.reads = ReadPath(settings, card)
+        self.metrics = vllm_metrics.ConnectorMetrics()
+        self.reads = ReadPath(settings, card, observer=self.metrics.record)
         self.sink = sink_for_settings(settings, card)
+        self.metrics.attach(writeback=self.sink.stats if self.sink is not None else None,
+                            store=self.reads.fetcher.calls.snapshot)
         self._reading: Dict[str, Any] = {}
         self.counters = {"requests": 0, "local_tokens": 0, "remote_reads": 0}
 
@@ -109,6 +116,7 @@ class Standalone:
         if reading is None:
             self.counters["requests"] += 1
             self.counters["local_tokens"] += int(computed_tokens)
+            self.metrics.local(computed_tokens)
             stored_max = reusable_chunks(len(ids), self.chunk_tokens) * self.chunk_tokens
             if computed_tokens >= stored_max:  # vLLM holds every chunk the store could: nothing to read
                 return self._post(rid, ids, None)
@@ -165,6 +173,33 @@ def standalone_settings(vllm_config):
     explicit.setdefault("model", str(model))
     explicit["engine"] = "vllm"
     return Settings.load(explicit)
+
+
+class KVCodecStats(KVConnectorStats):
+    """One interval of ``vllm_metrics.ConnectorMetrics`` (its ``interval()`` payload)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVCodecStats":
+        return KVCodecStats(data=vllm_metrics.aggregate(self.data, other.data))
+
+    def reduce(self) -> Dict[str, Any]:
+        return vllm_metrics.summary(self.data)
+
+    def is_empty(self) -> bool:
+        return vllm_metrics.is_empty(self.data)
+
+
+class KVCodecPromMetrics(KVConnectorPromMetrics):
+    """The connector's families on the API server's ``/metrics`` (``vllm_metrics.PromFamilies``)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.families = vllm_metrics.PromFamilies(metric_types, labelnames, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        self.families.observe(transfer_stats_data, engine_idx)
 
 
 @dataclass
@@ -267,6 +302,21 @@ class KVCodecConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self.standalone is not None:
             self.standalone.close()
+
+    # -- metrics: from the engine core to the API server's /metrics (vllm_metrics) ---------------
+    def get_kv_connector_stats(self) -> Optional["KVCodecStats"]:
+        if self.standalone is None:  # the ensemble's llm step exports its own (Triton's metrics)
+            return None
+        stats = KVCodecStats(data=self.standalone.metrics.interval())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> "KVCodecStats":
+        return KVCodecStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVCodecPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:

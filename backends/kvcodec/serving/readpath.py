@@ -10,7 +10,8 @@ the request's read; ``Reading.ready`` is set once the first chunk's info is in (
 ``Reading.chunks`` holds the ``LoadSession`` that later chunks stream into, or ``Reading.chunks`` is
 None and ``Reading.reason`` says why nothing is read). ``Reading.stats()`` once done: the request's
 ``RequestStats`` (the costs file learns each chunk's decode and restore time, as after an ensemble
-request). ``counters``: ``reads``, ``planned_tokens``, ``loaded_chunks``, ``failed``.
+request, and ``observer``, if given, is called with it: the connector's metrics).
+``counters``: ``reads``, ``planned_tokens``, ``loaded_chunks``, ``failed``.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from ..format.auth import load_auth
 from ..store import open_store
@@ -49,8 +50,9 @@ class Reading:
 
 
 class ReadPath:
-    def __init__(self, settings, card, store=None, workers: int = 2) -> None:
-        self.settings, self.card = settings, card
+    def __init__(self, settings, card, store=None, workers: int = 2,
+                 observer: Optional[Callable[[object], None]] = None) -> None:
+        self.settings, self.card, self.observer = settings, card, observer
         self._owns_store = store is None
         self.store = open_store(settings.store) if store is None else store
         self.costs = for_settings(settings, card.geometry(1).fp16_bytes)
@@ -116,6 +118,8 @@ class ReadPath:
                     record_request(self.costs, stats, self.settings.chunk_tokens)
                 except OSError:  # a cost file we cannot write only makes the estimates staler
                     pass
+                if self.observer is not None:
+                    self.observer(stats)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

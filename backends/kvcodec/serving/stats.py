@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional
 
 from .chunkinfo import ChunkInfo
 
+# the buckets of every per-request seconds histogram (Triton's metrics and vllm serve's)
+SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 @dataclass
 class Pipeline:

@@ -9,8 +9,7 @@ thread-safe. The families are listed in docs/operations.md, "Metrics".
 import triton_python_backend_utils as pb_utils
 
 from ..connector.writeback import CHUNK_COUNTS, COUNTS, Increments
-
-SECONDS_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+from ..serving.stats import SECONDS_BUCKETS
 
 
 class LlmMetrics:
@@ -29,7 +28,7 @@ class LlmMetrics:
         for name, what in (("ttft", "Server time to first token"), ("fetch", "Store read seconds of a request"),
                            ("decode", "Decode seconds of a request"), ("restore", "Restore seconds of a request")):
             family = pb_utils.MetricFamily(f"kvcodec_{name}_seconds", what, histogram)
-            self._seconds[name] = (family, family.Metric(labels={}, buckets=SECONDS_BUCKETS))
+            self._seconds[name] = (family, family.Metric(labels={}, buckets=list(SECONDS_BUCKETS)))
         self.requests = pb_utils.MetricFamily("kvcodec_requests_total", "Requests answered, by outcome", counter)
         self.tokens = pb_utils.MetricFamily("kvcodec_reused_tokens_total", "Prompt tokens served from stored KV",
                                             counter)

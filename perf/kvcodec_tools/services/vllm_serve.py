@@ -121,10 +121,14 @@ class VllmServe:
         out["elapsed_s"] = time.perf_counter() - t0
         return out
 
+    def metrics_text(self) -> str:
+        """The server's ``/metrics`` as Prometheus text."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
     def metrics(self) -> Dict[str, float]:
         """The server's Prometheus counters and gauges, summed over their labels, by name."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = self.metrics_text()
         out: Dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):
