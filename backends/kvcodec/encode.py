@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from . import __version__
 from .bitstream import CODERS, BitstreamCoder
 from .format.auth import ChunkAuth
 from .format.codecs import Scheme
@@ -62,6 +63,7 @@ class ChunkEncoder:
             "token_start": int(token_start),
             "geometry": g.to_dict(),
             "planes_shape": list(planes.shape),
+            "writer": f"kvcodec/{__version__}",  # the release that wrote it (informational; covered by the tag)
         }
         if planes.dtype != np.uint8:
             header["planes_dtype"] = planes.dtype.name  # 10-bit layouts: uint16 samples

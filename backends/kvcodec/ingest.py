@@ -162,12 +162,12 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
     """The one ingest path of the CLI and the tools: ``token_ids`` into the store at each rung
     (a ladder spec; default: the settings' ladder), bound to the engine's card (codec profile, KV
     dtype: ``Scheme.for_card``), with the measured costs recorded where the serving steps of
-    ``settings`` read them; signed with the deployment's chunk key (``format.auth.load_auth``).
+    ``settings`` read them; signed with the deployment's chunk key (``format.auth.auth_for``).
     ``workers``: chunk encoders side by side (default: the settings' ``ingest_workers``, whose 0
     means ``default_workers()``)."""
     from dataclasses import replace
 
-    from .format.auth import load_auth
+    from .format.auth import auth_for
     from .format.ladder import parse_ladder
     from .serving.costs import for_settings
     from .store import open_store
@@ -176,7 +176,7 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
     url = store_url or settings.store
     costs = for_settings(replace(settings, store=url), engine.geometry(1).fp16_bytes)
     with open_store(url) as store:
-        return ingest(engine, store, token_ids, schemes, settings.chunk_tokens, auth=load_auth(settings.key_file),
+        return ingest(engine, store, token_ids, schemes, settings.chunk_tokens, auth=auth_for(settings),
                       threads=max(1, threads if threads is not None else settings.threads), progress=progress,
                       costs=costs, workers=_workers(settings, workers))
 

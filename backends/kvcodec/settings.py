@@ -21,6 +21,7 @@ name the field and the value.
 | link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
 | key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
+| key_file_previous | KVCODEC_KEY_FILE_PREVIOUS | empty; else a file of previous keys (hex, mode 0600) that verify but never sign: chunks they signed are used and re-signed with the current key (8) |
 | fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: the outer bound on a request's store calls; the fetcher gives up sooner, when recomputing is predicted faster (``kvcodec.serving.fetch``) |
 | writeback     | KVCODEC_WRITEBACK      | ``first``: after a miss, store the new full chunks at the ladder's first rung (3) |
 | writeback_pending | KVCODEC_WRITEBACK_PENDING | 8: write-back jobs (chunks) that may wait; past it new ones are dropped, counted (``kvcodec.connector.WriteBackSink``) |
@@ -48,6 +49,8 @@ few tokens to compute start at the next step instead of waiting behind other req
 the CPU (``nvcomp`` there fails its start). Each rung's decode time is measured per chunk, so the
 adaptive fetcher weighs a GPU-decoded entropy rung against NVDEC's video by what each costs here.
 (7) read by kv_fetch (``kvcodec.triton.interface``); a request's own ``exclude_input_in_output`` wins.
+(8) ``KVCODEC_CHUNK_KEY_PREVIOUS`` (hex, comma-separated) takes its place; the steps of a rotation
+are in docs/operations.md, "Rotating the chunk key" (``kvcodec.format.auth``, ``kvcodec.serving.resign``).
 (4) a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files) of a Llama-family
 model (``kvcodec.engines.model_files.ARCHITECTURES``); its identity, KV geometry and tokenizer come
 from the folder, its codec profile is fitted with ``kvcodec profile fit --model DIR``.
@@ -97,6 +100,7 @@ class Settings:
     writeback_pending: int = 8  # write-back chunks that may wait before new ones are dropped
     exclude_input_in_output: bool = False  # a text request's answer without its prompt when it does not say
     prefix_cache: bool = True  # vLLM's own prefix cache in front of the store
+    key_file_previous: Optional[Path] = None  # previous chunk keys: verify, never sign (format.auth)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -157,6 +161,9 @@ class Settings:
         writeback_pending = _int("writeback_pending", raw("writeback_pending") or "8", minimum=1)
         exclude_input_in_output = _bool("exclude_input_in_output", raw("exclude_input_in_output") or "0")
         prefix_cache = _bool("prefix_cache", raw("prefix_cache") or "1")
+        key_file_previous = Path(raw("key_file_previous")).expanduser().resolve() if raw("key_file_previous") else None
+        if key_file_previous is not None and not key_file_previous.is_file():
+            raise ConfigError(f"key_file_previous must be a file of previous chunk keys, got {raw('key_file_previous')!r}")
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -167,7 +174,8 @@ class Settings:
                    ingest_workers, decoder_process, decode_timeout_s, model=model, store_ca_file=store_ca_file,
                    stream_loads=stream_loads, async_loads=async_loads, step_tokens=step_tokens,
                    prefill_slice=prefill_slice, entropy=entropy, writeback_pending=writeback_pending,
-                   exclude_input_in_output=exclude_input_in_output, prefix_cache=prefix_cache)
+                   exclude_input_in_output=exclude_input_in_output, prefix_cache=prefix_cache,
+                   key_file_previous=key_file_previous)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -184,6 +192,7 @@ class Settings:
             "KVCODEC_DEADLINE_S": repr(self.deadline_s),
             "KVCODEC_ENGINE": self.engine,
             "KVCODEC_KEY_FILE": str(self.key_file),
+            "KVCODEC_KEY_FILE_PREVIOUS": str(self.key_file_previous or ""),
             "KVCODEC_FETCH_TIMEOUT_S": repr(self.fetch_timeout_s),
             "KVCODEC_WRITEBACK": ",".join(self.writeback) or "off",
             "KVCODEC_INGEST_WORKERS": str(self.ingest_workers),

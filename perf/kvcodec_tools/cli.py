@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import List, Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
+# the model repository: model_repository/ of a checkout, the same files in an installed wheel
+# (perf/kvcodec_tools/model_repository links to it; pyproject's package-data carries them)
+DEFAULT_REPOSITORY = (Path(__file__).resolve().parent / "model_repository").resolve()
 
 # The commands in the order ``kvcodec --help`` lists them: a module whose ``register(subparsers)``
 # adds one, or (name, help, modules): a command whose subcommands those modules register.
@@ -48,6 +50,7 @@ COMMANDS = (
     "kvcodec_tools.tritonserver",  # serve
     "kvcodec_tools.ingest_cli",  # ingest
     "kvcodec_tools.generate_cli",  # generate
+    "kvcodec_tools.probe_cli",  # probe
     "kvcodec_tools.quality.evaluate_cli",  # eval
     ("bench", "benchmarks", ("kvcodec_tools.bench", "kvcodec_tools.concurrency", "kvcodec_tools.loadbench",
                              "kvcodec_tools.run_perf", "kvcodec_tools.peers")),
@@ -153,7 +156,10 @@ def _register(sub, commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvcodec import __version__
+
     parser = argparse.ArgumentParser(prog="kvcodec", description="KV cache reuse through video codecs on Triton")
+    parser.add_argument("--version", action="version", version=f"kvcodec {__version__}")
     _register(parser.add_subparsers(dest="command", required=True), COMMANDS)
     return parser
 

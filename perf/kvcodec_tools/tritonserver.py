@@ -14,6 +14,10 @@ then SIGKILL to its process group after a grace period, and waits until nothing 
 ``triton_python_backend_stub``), zombies included: Triton 2.51 neither reaps nor restarts a stub
 that died, so a watchdog (``kvcodec_tools.watchdog``) reads them to know when the server must restart.
 
+Triton's administrative APIs (``RESTRICTED``: model control, shared memory, trace, logging) are
+restricted to callers that send the header ``kvcodec-admin`` with the server's ``admin_key``
+(``KVCODEC_ADMIN_KEY``, else random per server): inference, health and metadata stay open.
+
 ``kvcodec serve`` (``register``, ``cmd_serve``) runs the server in the foreground: it refuses ports
 already in use, makes the engine's files ready, warns in one line of rungs without a fitted codec
 profile and of a store that does not answer, starts the server (one line naming the models that
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -40,6 +45,11 @@ from kvcodec_tools.cli import DEFAULT_REPOSITORY, _settings, _store_down, common
 from kvcodec_tools.procs import Process
 
 MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
+# Triton's APIs that change or expose the server (load and unload models, shared memory, tracing,
+# log settings) answer only requests with the header ADMIN_HEADER: <admin key>; inference, health,
+# metadata, model config and statistics stay open. Checked on tritonserver 2.51 (403 without it).
+RESTRICTED = "model-repository,shared-memory,trace,logging"
+ADMIN_HEADER = "kvcodec-admin"
 STUB = "triton_python_backend_stub"
 
 
@@ -155,6 +165,8 @@ class TritonServer:
         self.host = host
         self.log_path = Path(log_path) if log_path else settings.home / "logs" / "tritonserver.log"
         self.process: Optional[Process] = None
+        # Triton's administrative APIs answer only callers with this header's value (RESTRICTED)
+        self.admin_key = os.environ.get("KVCODEC_ADMIN_KEY") or secrets.token_hex(16)
 
     @property
     def pid(self) -> Optional[int]:
@@ -181,6 +193,8 @@ class TritonServer:
             "--allow-metrics=true", "--allow-gpu-metrics=false",
             "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
             "--exit-timeout-secs=15", "--log-verbose=0",
+            f"--http-restricted-api={RESTRICTED}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED}:{ADMIN_HEADER}={self.admin_key}",
         ]
 
     def environment(self) -> dict:

@@ -117,6 +117,30 @@ def test_a_profile_rung_restores_through_the_models_cached_profile(served, rung)
     assert len(result.tokens) == MAX_TOKENS
 
 
+def test_a_replica_with_the_model_at_another_path_shares_chunks_and_profile(served, tmp_path):
+    """A second server on the same store and model cache, its model mounted at another path under
+    another name (the files linked): the model's identity is what it is, not where it is, so the
+    second server reuses the first one's chunks, raw and through the shared fitted profile."""
+    import os
+    import shutil
+
+    msettings, ids, srv = served
+    mounted = Path(shutil.copytree(msettings.model, tmp_path / "mnt" / "llm", copy_function=os.symlink))
+    # a home of its own (logs, costs); the store, key and model cache (fitted profiles) shared
+    replica = replace(msettings, model=mounted.resolve(), home=tmp_path / "replica-home")
+    assert model_card(replica).model_id == model_card(msettings).model_id
+    own = _client(srv, "grpc").generate(ids, MAX_TOKENS, reuse=False)
+    second = _start(replica)
+    try:
+        client = _client(second, "grpc")
+        raw = client.generate(ids, MAX_TOKENS, reuse=True, codecs="raw")
+        assert raw.reused_tokens == 512 and raw.tokens == own.tokens, raw.stats
+        lossy = client.generate(ids, MAX_TOKENS, reuse=True, codecs="kvtc-w")
+        assert lossy.reused_tokens == 512 and lossy.stats["scheme"] == "kvtc-w", lossy.stats
+    finally:
+        second.stop()
+
+
 @pytest.mark.vllm
 def test_vllm_raw_reuse_gives_the_models_own_prefill_tokens(other_model, tmp_path):
     """The same model in vLLM's paged cache (its own identity, ``/vllm-float32``): ingest, serve,
@@ -130,7 +154,7 @@ def test_vllm_raw_reuse_gives_the_models_own_prefill_tokens(other_model, tmp_pat
     assert report["chunks"] == 2 and report["written"] == 2, report
     ids = tok.encode(text + QUESTION)
     header = container.parse(chunk_path(msettings, ids, 0, "raw").read_bytes(), load_auth(msettings.key_file)).header
-    assert header["model_id"].endswith("/vllm-float32") and header["model_id"].startswith("tiny-llama@hf-sha256:")
+    assert header["model_id"].endswith("/vllm-float32") and header["model_id"].startswith("llama@hf-sha256:")
     srv = _start(msettings)
     try:
         client = _client(srv, "grpc")

@@ -577,6 +577,8 @@ def test_kv_decode_on_a_gpu_instance_builds_the_decoder_on_that_gpu_and_logs_its
     [(level, message)] = kv_decode.logged
     assert level == "info" and message.startswith("kv_decode on cuda:1: decoder nvdec self-test: ")
     assert set(json.loads(message.split("self-test: ", 1)[1])["nvdec"]) == set(selftest.STREAM_PROFILES)
+    [gauge] = kv_decode.MetricFamily.families["kvcodec_decoder_selftest_passed"].metrics
+    assert gauge.value == 1.0
     [response] = model.execute([_request(_chunk("lossless8"))])
     assert response.error is None
     planes = response.tensors["planes8"].value[0]  # a CPU tensor stands for the GPU one: sent as numpy
@@ -610,6 +612,8 @@ def test_kv_decode_logs_a_warning_when_nvcomp_fails_its_self_test(kv_decode, reg
     results = json.loads(message.split("self-test: ", 1)[1])
     assert set(results["nvdec"]) == set(selftest.STREAM_PROFILES)  # NVDEC passed; the entropy decoder did not
     assert results[OffByOneZstd.name]["zstd"].startswith("mismatch")
+    [gauge] = kv_decode.MetricFamily.families["kvcodec_decoder_selftest_passed"].metrics
+    assert gauge.value == 0.0  # what the alert KVCodecDecoderSelfTestFailed reads
     model.finalize()
 
 

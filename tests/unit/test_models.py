@@ -50,22 +50,30 @@ def test_the_card_comes_from_the_folder_with_its_own_geometry_and_identity(model
     assert (card.rope_theta, card.rope_type) == (ROPE_THETA, "default")
     smollm2 = model_card(Settings.load({"model_cache": str(SMOLLM2_CACHE)}, env={}))
     assert (smollm2.layers, smollm2.kv_heads, smollm2.head_dim) == (30, 3, 64)
-    assert card.model_id.startswith("tiny-llama@hf-sha256:") and card.model_id != smollm2.model_id
-    assert card.codec_profile != smollm2.codec_profile and card.codec_profile.startswith("tiny-llama-")
+    assert card.model_id.startswith("llama@hf-sha256:") and card.model_id != smollm2.model_id
+    assert card.codec_profile != smollm2.codec_profile and card.codec_profile.startswith("llama-")
     # the weights' hash is remembered against size and mtime: the second card reads it back
     records = list((tmp_path / "cache" / "identities").glob("*.json"))
     assert len(records) == 1 and json.loads(records[0].read_text())["model_id"] == card.model_id
     assert model_card(_settings(folder, tmp_path / "cache")).model_id == card.model_id
-    # other weights (another seed), another identity and profile; the same weights, the same identity
+    # other weights (another seed), another identity and profile; the same model mounted at another
+    # path under another name: the same identity and profile (replicas share chunks and the profile)
     other = model_card(_settings(write_model(models / "tiny-llama-seed1", smollm2_folder, seed=1), tmp_path / "c2"))
     assert other.model_id.split("@")[1] != card.model_id.split("@")[1]
-    again = model_card(_settings(write_model(tmp_path / "tiny-llama", smollm2_folder), tmp_path / "c3"))
-    assert again.model_id == card.model_id
+    again = model_card(_settings(write_model(tmp_path / "mounted" / "elsewhere", smollm2_folder), tmp_path / "c3"))
+    assert (again.model_id, again.codec_profile) == (card.model_id, card.codec_profile)
 
 
-def test_the_embedded_models_own_folder_is_the_embedded_model(smollm2_folder):
+def test_the_embedded_models_own_folder_is_the_embedded_model(smollm2_folder, tmp_path):
     by_folder = model_card(Settings.load({"model": str(smollm2_folder), "model_cache": str(SMOLLM2_CACHE)}, env={}))
     assert by_folder == model_card(Settings.load({"model_cache": str(SMOLLM2_CACHE)}, env={}))
+    # a copy under another name and path (its files linked): the same identity and shipped profile
+    import os
+    import shutil
+
+    copy = shutil.copytree(smollm2_folder, tmp_path / "mnt" / "my-model", copy_function=os.symlink)
+    by_copy = model_card(Settings.load({"model": str(copy), "model_cache": str(tmp_path / "cache")}, env={}))
+    assert (by_copy.model_id, by_copy.codec_profile) == (by_folder.model_id, by_folder.codec_profile)
 
 
 def test_the_model_setting_is_read_from_the_environment_and_passed_on(models, smollm2_folder, tmp_path):

@@ -130,7 +130,7 @@ def test_environ_round_trips_through_load(tmp_path):
                          "ADAPTIVE", "LINK_MBPS", "DEADLINE_S", "ENGINE", "KEY_FILE", "FETCH_TIMEOUT_S", "WRITEBACK",
                          "INGEST_WORKERS", "DECODER_PROCESS", "DECODE_TIMEOUT_S", "MODEL", "STORE_CA_FILE",
                          "STREAM_LOADS", "ASYNC_LOADS", "STEP_TOKENS", "PREFILL_SLICE", "ENTROPY",
-                         "WRITEBACK_PENDING", "EXCLUDE_INPUT_IN_OUTPUT", "PREFIX_CACHE")}
+                         "WRITEBACK_PENDING", "EXCLUDE_INPUT_IN_OUTPUT", "PREFIX_CACHE", "KEY_FILE_PREVIOUS")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})
@@ -173,3 +173,12 @@ def test_decoder_process_and_its_deadline():
         Settings.load({"decoder_process": "maybe"}, env={})
     with pytest.raises(ConfigError, match="decode_timeout_s"):
         Settings.load({"decode_timeout_s": "0"}, env={})
+
+
+def test_previous_key_file_is_a_file_and_round_trips(tmp_path):
+    previous = tmp_path / "previous.keys"
+    with pytest.raises(ConfigError, match="key_file_previous"):
+        Settings.load({"key_file_previous": str(previous)}, env={})
+    previous.write_text("00" * 32)
+    s = Settings.load({"key_file_previous": str(previous)}, env={})
+    assert s.key_file_previous == previous and Settings.load(env=s.environ()) == s

@@ -20,7 +20,9 @@ def _metrics(sink: dict, breaker: str = "closed", opened: int = 0) -> ConnectorM
 def test_intervals_carry_what_happened_since_the_last():
     sink = {"queued": 3, "stored": 2, "dropped": 1, "failed": 0, "pending": 1, "written": 4, "present": 0}
     m = _metrics(sink)
-    m.record(RequestStats(reused_tokens=512, bytes_fetched=1000, fetch_s=0.2, decode_s=0.03, restore_s=0.002))
+    m.record(RequestStats(reused_tokens=512, bytes_fetched=1000, fetch_s=0.2, decode_s=0.03, restore_s=0.002,
+                          chunks=[{"status": "ok", "scheme": "kvtc-w", "bytes": 600},
+                                  {"status": "ok", "scheme": "raw", "bytes": 400}]))
     m.record(RequestStats(reused_tokens=256, bytes_fetched=500, fetch_s=0.1, miss_reason="chunk 1: foreign",
                           chunks=[{"status": "ok"}, {"status": "foreign"}]))
     m.local(768)
@@ -30,6 +32,7 @@ def test_intervals_carry_what_happened_since_the_last():
     assert c["kvcodec_misses_total|foreign"] == 1
     assert (c["kvcodec_reused_tokens_total"], c["kvcodec_local_tokens_total"]) == (768, 768)
     assert c["kvcodec_fetched_bytes_total"] == 1500 and c["kvcodec_writeback_total|dropped"] == 1
+    assert (c["kvcodec_rung_bytes_total|kvtc-w"], c["kvcodec_rung_chunks_total|raw"]) == (600, 1)
     assert first["observations"]["kvcodec_fetch_seconds"] == [0.2, 0.1]
     assert first["gauges"]["kvcodec_writeback_pending"] == 1 and first["gauges"]["kvcodec_store_breaker_state"] == 0
     assert is_empty(m.interval())  # nothing new: no increments, no observations

@@ -136,9 +136,9 @@ def open_sink(store, card, rungs: Sequence[str], chunk_tokens: int, auth, max_pe
 
 def sink_for_settings(settings, card) -> Optional[WriteBackSink]:
     """The write-back sink an engine serving ``settings`` uses (``writeback`` rungs; None when off)."""
-    from ..format.auth import load_auth
+    from ..format.auth import auth_for
 
     if not settings.writeback:
         return None
-    return open_sink(settings.store, card, settings.writeback, settings.chunk_tokens, load_auth(settings.key_file),
+    return open_sink(settings.store, card, settings.writeback, settings.chunk_tokens, auth_for(settings),
                      max_pending=settings.writeback_pending)

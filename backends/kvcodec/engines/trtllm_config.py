@@ -38,7 +38,8 @@ the project's own (``model_files``, identity suffixed ``/trtllm-float16``): usef
 variables do reach the process (one rank, in-process executor).
 
 The chunk key: ``TRTLLM_KVCODEC_CHUNK_KEY`` (hex) takes the place of ``KVCODEC_CHUNK_KEY``; else the
-key file (``kvcodec.format.auth.load_auth``).
+key file (``kvcodec.format.auth.load_auth``); ``TRTLLM_KVCODEC_CHUNK_KEY_PREVIOUS`` (else
+``KVCODEC_CHUNK_KEY_PREVIOUS``) names previous keys that verify but never sign (a key rotating).
 """
 from __future__ import annotations
 
@@ -78,7 +79,9 @@ class TrtllmConfig:
     def auth(self, env: Optional[Mapping[str, str]] = None) -> ChunkAuth:
         env = os.environ if env is None else env
         hex_key = env.get(CHUNK_KEY_ENV) or env.get("KVCODEC_CHUNK_KEY") or ""
-        return load_auth(self.key_file, {"KVCODEC_CHUNK_KEY": hex_key} if hex_key else {})
+        previous = env.get(CHUNK_KEY_ENV + "_PREVIOUS") or env.get("KVCODEC_CHUNK_KEY_PREVIOUS") or ""
+        keys = {"KVCODEC_CHUNK_KEY": hex_key, "KVCODEC_CHUNK_KEY_PREVIOUS": previous}
+        return load_auth(self.key_file, {k: v for k, v in keys.items() if v})
 
 
 def _card(value: Any) -> ModelCard:

@@ -35,6 +35,10 @@ FAMILIES = {
     "kvcodec_local_tokens_total": ("counter", "Prompt tokens vLLM's prefix cache held when the connector was "
                                    "asked (no fetch)", None),
     "kvcodec_fetched_bytes_total": ("counter", "KV chunk bytes fetched", None),
+    "kvcodec_rung_bytes_total": ("counter", "Bytes of the chunks reused, by rung", "rung"),
+    "kvcodec_rung_chunks_total": ("counter", "Chunks reused, by rung", "rung"),
+    "kvcodec_reused_chunks_total": ("counter", "Chunks reused, by the key that verified them (current; "
+                                    "previous: a key rotating)", "key"),
     "kvcodec_fetch_seconds": ("histogram", "Store read seconds of a request", None),
     "kvcodec_decode_seconds": ("histogram", "Decode seconds of a request", None),
     "kvcodec_restore_seconds": ("histogram", "Restore seconds of a request", None),
@@ -81,6 +85,12 @@ class ConnectorMetrics:
                 self._add(_key("kvcodec_misses_total", stats.miss_status), 1)
             self._add("kvcodec_reused_tokens_total", stats.reused_tokens)
             self._add("kvcodec_fetched_bytes_total", stats.bytes_fetched)
+            for signer, n in stats.signers.items():
+                self._add(_key("kvcodec_reused_chunks_total", signer), n)
+            for chunk in stats.chunks:
+                if chunk.get("status") == "ok" and chunk.get("scheme"):
+                    self._add(_key("kvcodec_rung_bytes_total", chunk["scheme"]), int(chunk.get("bytes") or 0))
+                    self._add(_key("kvcodec_rung_chunks_total", chunk["scheme"]), 1)
             for name, value in (("fetch", stats.fetch_s), ("decode", stats.decode_s), ("restore", stats.restore_s)):
                 if value is not None:
                     self._observations.setdefault(f"kvcodec_{name}_seconds", []).append(float(value))

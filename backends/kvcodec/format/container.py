@@ -53,6 +53,7 @@ class Container:
     header: Dict[str, Any]
     sections: Dict[str, bytes] = field(default_factory=dict)
     digests: Dict[str, str] = field(default_factory=dict)  # per section, as verified by ``parse``
+    signer: str = "current"  # the key whose tag ``parse`` verified: current or previous (``format.auth``)
 
     def to_bytes(self, auth: ChunkAuth) -> bytes:
         """The container's bytes, signed with ``auth``."""
@@ -71,7 +72,7 @@ class Container:
     def without(self, *names: str) -> "Container":
         """A copy without the named sections (e.g. the bitstream, once decoded)."""
         return Container(dict(self.header), {k: v for k, v in self.sections.items() if k not in names},
-                         {k: v for k, v in self.digests.items() if k not in names})
+                         {k: v for k, v in self.digests.items() if k not in names}, self.signer)
 
     def expect(self, **fields: Any) -> None:
         """Raise ``ForeignChunk`` unless each header field has the expected value."""
@@ -111,7 +112,8 @@ def parse(data, auth: ChunkAuth) -> Container:
         raise CorruptChunk(f"chunk header unreadable: {exc}") from None
     if _digest(_canonical(header, "header_digest")) != stored_digest:
         raise CorruptChunk("chunk header checksum mismatch")
-    if not auth.verify(_canonical(header, *_COVER), header.get("tag")):
+    signer = auth.signer(_canonical(header, *_COVER), header.get("tag"))
+    if not signer:
         raise ForeignChunk(f"chunk is not signed with this deployment's key (written with key "
                            f"{str(header.get('key_id'))[:16]!r}, this key is {auth.key_id!r})")
     offset = _PREFIX.size + header_len
@@ -136,4 +138,10 @@ def parse(data, auth: ChunkAuth) -> Container:
     if offset != len(data):
         raise CorruptChunk(f"{len(data) - offset} trailing bytes after the last section")
     header = {k: v for k, v in header.items() if k not in ("sections", "key_id") + _COVER}
-    return Container(header, sections, digests)
+    return Container(header, sections, digests, signer)
+
+
+def resign(data, auth: ChunkAuth) -> bytes:
+    """A chunk ``auth`` verifies (with its current or a previous key), signed with the current key:
+    the same header fields and sections, a new tag and ``key_id``."""
+    return parse(data, auth).to_bytes(auth)

@@ -36,6 +36,7 @@ class ChunkInfo:
     token_start: int = 0
     tokens: int = 0
     choice: str = ""  # the adaptive fetcher's estimates, best first, for this chunk
+    signer: str = ""  # the key that verified the chunk (kv_decode): current, or previous (format.auth)
     t: Dict[str, float] = field(default_factory=dict)  # wall-clock stamps: request, sent, received, decoded, restored
     s: Dict[str, float] = field(default_factory=dict)  # seconds spent: fetch, decode, restore
     store: Dict[str, Any] = field(default_factory=dict)  # the first record's: kv_fetch's store calls and

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import numpy as np
 
@@ -55,7 +55,7 @@ from ..bitstream.verified import VerifiedDecoders
 from ..encode import PAYLOAD, make_coder, planes_digest
 from ..errors import ChunkError, CorruptChunk, DecodeTimeout, ForeignChunk, KVCodecError, Unsupported
 from ..format import container
-from ..format.auth import ChunkAuth
+from ..format.auth import PREVIOUS, ChunkAuth
 from ..format.codecs import SCHEMES
 from ..format.geometry import Geometry
 from ..format.header import ChunkHeader
@@ -69,6 +69,7 @@ class Decoded:
     header: Optional[ChunkHeader]  # None for a failed or empty chunk
     planes: Any  # uint8 or uint16 [frames, height, width]: numpy, or a torch tensor on the decoder's GPU
     side: Dict[str, bytes] = field(default_factory=dict)  # the chunk's sections but the payload
+    signer: str = ""  # the key that verified the chunk: current or previous (format.auth)
 
     @classmethod
     def empty(cls) -> "Decoded":
@@ -196,7 +197,7 @@ class ChunkDecoder:
             if trust is not None:
                 self._trusted.add(trust)
         side = {name: bytes(body) for name, body in chunk.sections.items() if name != PAYLOAD}
-        return Decoded(header, planes, side)
+        return Decoded(header, planes, side, chunk.signer)
 
     def _decode_video(self, coder: Any, header: ChunkHeader, payload: Any) -> Tuple[Any, Optional[tuple]]:
         """An HEVC payload through the self-tested decoder for its stream profile: (planes, the
@@ -241,9 +242,12 @@ class DecodeStep:
     """Bitstream -> planes. Holds one decoder per codec, made once."""
 
     def __init__(self, model_id: str, *, auth: ChunkAuth, decoder: str = "pyav", threads: int = 1,
-                 geometry: Optional[Geometry] = None, **options: Any) -> None:
+                 geometry: Optional[Geometry] = None, resign: Optional[Callable[[str, bytes], Any]] = None,
+                 **options: Any) -> None:
         """``options``: ``ChunkDecoder``'s ``selftest``, ``gpu_id``, ``device_output``, ``isolate``,
-        ``decode_timeout_s``."""
+        ``decode_timeout_s``. ``resign(key, data)``: handed each chunk a previous key verified
+        (``serving.resign.ReSigner.offer``: signed again with the current key, off the request's path)."""
+        self.resign = resign
         self.decoder = ChunkDecoder(model_id, auth=auth, decoder=decoder, threads=threads, geometry=geometry,
                                     **options)
 
@@ -262,6 +266,9 @@ class DecodeStep:
             out = Decoded.empty()
         info.s["decode"] = time.perf_counter() - t0
         info.t["decoded"] = time.time()
+        info.signer = out.signer
+        if out.signer == PREVIOUS and self.resign is not None and info.key:
+            self.resign(info.key, bytes(data))
         return out
 
     def close(self) -> None:

@@ -21,12 +21,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Optional, Sequence
 
-from ..format.auth import load_auth
+from ..format.auth import auth_for
 from ..store import open_store
 from .assemble import Assembler, Chunks
 from .costs import for_settings, record_request
 from .decode import DecodeStep
 from .fetch import Fetcher
+from .resign import ReSigner
 from .restore import RestoreStep
 
 log = logging.getLogger("kvcodec.readpath")
@@ -59,7 +60,11 @@ class ReadPath:
         self.fetcher = Fetcher(self.store, card.model_id, settings.ladder, settings.chunk_tokens, costs=self.costs,
                                adaptive=settings.adaptive, deadline_s=settings.deadline_s, card=card,
                                timeout_s=settings.fetch_timeout_s)
-        self.decode = DecodeStep(card.model_id, auth=load_auth(settings.key_file), decoder=settings.decoder,
+        auth = auth_for(settings)
+        # chunks a previous key verified are signed again with the current one (a key rotating)
+        self.resigner = ReSigner(self.store, auth) if auth.previous_ids else None
+        self.decode = DecodeStep(card.model_id, auth=auth, decoder=settings.decoder,
+                                 resign=self.resigner.offer if self.resigner is not None else None,
                                  threads=max(1, settings.threads), geometry=card.geometry(settings.chunk_tokens),
                                  isolate=settings.decoder_process, decode_timeout_s=settings.decode_timeout_s)
         self.restore = RestoreStep()
@@ -125,5 +130,7 @@ class ReadPath:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
         self.decode.close()
+        if self.resigner is not None:
+            self.resigner.close()
         if self._owns_store:
             self.store.close()

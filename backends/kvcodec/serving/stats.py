@@ -36,6 +36,8 @@ class RequestStats:
     chunks_used: int = 0  # chunks that arrived, decoded and restored
     scheme: str = ""  # the first chunk's codec
     schemes: Dict[str, int] = field(default_factory=dict)  # chunks used, by codec
+    signers: Dict[str, int] = field(default_factory=dict)  # chunks used, by the key that verified them
+    # (current | previous: a key rotating, ``format.auth``)
     miss_reason: str = ""  # why reuse stopped short ('' when every planned chunk was used)
     bytes_fetched: int = 0  # chunk bytes read from the store
     fetch_s: float = 0.0  # seconds in store reads, all chunks
@@ -60,14 +62,17 @@ class RequestStats:
     def from_chunks(cls, infos: List[ChunkInfo], reused_tokens: int, reason: str) -> "RequestStats":
         used = [i for i in infos if i.ok and i.count]
         schemes: Dict[str, int] = {}
+        signers: Dict[str, int] = {}
         for i in used:
             schemes[i.scheme] = schemes.get(i.scheme, 0) + 1
+            signers[i.signer or "current"] = signers.get(i.signer or "current", 0) + 1
         return cls(
             reused_tokens=reused_tokens,
             chunks_planned=infos[0].count if infos else 0,
             chunks_used=len(used),
             scheme=infos[0].scheme if infos else "",
             schemes=schemes,
+            signers=signers,
             miss_reason=reason,
             bytes_fetched=sum(i.bytes for i in infos),
             fetch_s=round(sum(i.s.get("fetch", 0.0) for i in infos), 6),

@@ -33,6 +33,13 @@ class LlmMetrics:
         self.tokens = pb_utils.MetricFamily("kvcodec_reused_tokens_total", "Prompt tokens served from stored KV",
                                             counter)
         self.bytes = pb_utils.MetricFamily("kvcodec_fetched_bytes_total", "KV chunk bytes fetched", counter)
+        self.rung_bytes = pb_utils.MetricFamily("kvcodec_rung_bytes_total", "Bytes of the chunks reused, by rung",
+                                                counter)
+        self.rung_chunks = pb_utils.MetricFamily("kvcodec_rung_chunks_total", "Chunks reused, by rung", counter)
+        self._by_rung = {}
+        self.signers = pb_utils.MetricFamily("kvcodec_reused_chunks_total", "Chunks reused, by the key that "
+                                             "verified them (current; previous: a key rotating)", counter)
+        self._by_signer = {}
         self._by_outcome = {}
         # a MetricFamily must outlive its metrics (a deleted family fails their updates): each is kept
         self.cancels = pb_utils.MetricFamily("kvcodec_cancelled_total",
@@ -75,6 +82,19 @@ class LlmMetrics:
         self._by_outcome[outcome].increment(1)
         self._tokens.increment(int(stats.reused_tokens))
         self._bytes.increment(int(stats.bytes_fetched))
+        for chunk in stats.chunks:
+            rung = chunk.get("scheme")
+            if chunk.get("status") != "ok" or not rung:
+                continue
+            if rung not in self._by_rung:
+                self._by_rung[rung] = (self.rung_bytes.Metric(labels={"rung": rung}),
+                                       self.rung_chunks.Metric(labels={"rung": rung}))
+            self._by_rung[rung][0].increment(int(chunk.get("bytes") or 0))
+            self._by_rung[rung][1].increment(1)
+        for signer, n in stats.signers.items():
+            if signer not in self._by_signer:
+                self._by_signer[signer] = self.signers.Metric(labels={"key": signer})
+            self._by_signer[signer].increment(int(n))
         reason = stats.miss_status
         if reason:
             if reason not in self._by_reason:

@@ -20,11 +20,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kvcodec.engines import model_card
-from kvcodec.format.auth import load_auth
+from kvcodec.format.auth import auth_for
 from kvcodec.serving.chunkinfo import ChunkInfo
 from kvcodec.serving.decode import DecodeStep
+from kvcodec.serving.resign import ReSigner
 from kvcodec.serving.restore import descriptor
 from kvcodec.settings import Settings
+from kvcodec.store import open_store
 from kvcodec.triton import (
     error_response,
     get_array,
@@ -53,7 +55,11 @@ class TritonPythonModel:
         card = model_card(self.settings)  # the model's identity only: nothing is loaded or converted
         device = instance_device(args)
         on_gpu = device.type == "cuda"
-        self.step = DecodeStep(card.model_id, auth=load_auth(self.settings.key_file), decoder=self.settings.decoder,
+        auth = auth_for(self.settings)
+        # chunks a previous key verified are signed again with the current one (a key rotating)
+        self.resigner = ReSigner(open_store(self.settings.store), auth) if auth.previous_ids else None
+        self.step = DecodeStep(card.model_id, auth=auth, decoder=self.settings.decoder,
+                               resign=self.resigner.offer if self.resigner is not None else None,
                                threads=max(1, self.settings.threads), geometry=card.geometry(self.settings.chunk_tokens),
                                selftest=True, gpu_id=device.index if on_gpu else 0, device_output=on_gpu,
                                isolate=self.settings.decoder_process, decode_timeout_s=self.settings.decode_timeout_s,
@@ -62,6 +68,14 @@ class TritonPythonModel:
         message = (f"kv_decode on {device}: decoder {self.settings.decoder} self-test: "
                    f"{json.dumps(decoder.selftest_results, sort_keys=True)}")
         passed = decoder.selftest_passed
+        # kept for the model's life (a deleted family fails its metrics)
+        self.selftest_family = pb_utils.MetricFamily(
+            "kvcodec_decoder_selftest_passed", "Whether kv_decode's decoders passed their start-up self-test "
+            "(1) or not (0: a profile's chunks are decoded by the fallback, or are misses)",
+            pb_utils.MetricFamily.GAUGE)
+        self.selftest_metric = self.selftest_family.Metric(
+            labels={"instance": args.get("model_instance_name", "kv_decode")})
+        self.selftest_metric.set(1.0 if passed else 0.0)
         logger = getattr(pb_utils, "Logger", None)  # the python backend's logger: the server log
         if logger is not None:
             (logger.log_info if passed else logger.log_warn)(message)
@@ -89,3 +103,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self.step.close()
+        if self.resigner is not None:
+            self.resigner.close()
+            self.resigner.store.close()

@@ -1,0 +1,137 @@
+"""What deploy/ holds, checked offline: the Dockerfiles lint clean (hadolint) and pin what they
+install at the tested versions (requirements.txt); the Kubernetes manifests validate against
+Kubernetes' schemas (kubernetes-validate, strict) and fit together (labels, ports, probes, the
+Secret and ConfigMap they read); the alert rules pass promtool's checks and their own rule tests;
+every dashboard query parses; every metric a rule or a panel reads is one the code exports. A real
+Prometheus scraping a real server: tests/integration/test_deploy.py."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    path = BIN / name if (BIN / name).exists() else shutil.which(name)
+    if not path:
+        pytest.skip(f"{name} is not installed (make setup; promtool: .ci/install-services)")
+    return str(path)
+
+
+def _run(*cmd) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120)
+
+
+def _pins() -> dict:
+    pins = {}
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==(\S+)", line.strip())
+        if m:
+            pins[m.group(1).lower()] = m.group(2)
+    return pins
+
+
+@pytest.mark.parametrize("dockerfile", sorted((DEPLOY / "docker").glob("Dockerfile*")), ids=lambda p: p.name)
+def test_dockerfiles_lint_clean_and_pin_the_tested_versions(dockerfile):
+    out = _run(_tool("hadolint"), dockerfile)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = dockerfile.read_text()
+    assert "nvcr.io/nvidia/tritonserver:${TRITON_TAG}" in text and "kvcodec-entrypoint" in text
+    pins = _pins()
+    for name, version in re.findall(r"\b([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([0-9][^\s\"']*)", text):
+        if name.lower() in pins:
+            assert version == pins[name.lower()], f"{dockerfile.name}: {name}=={version}, tested {pins[name.lower()]}"
+    engine = re.search(r"KVCODEC_ENGINE=(\w+)", text)
+    if dockerfile.name == "Dockerfile.vllm":
+        assert engine and engine.group(1) == "vllm"  # the engine to serve traffic with
+
+
+def test_entrypoint_is_valid_sh_and_restricts_the_admin_apis():
+    script = DEPLOY / "docker" / "entrypoint.sh"
+    assert _run("sh", "-n", script).returncode == 0
+    text = script.read_text()
+    assert "--http-restricted-api" in text and "--grpc-restricted-protocol" in text
+
+
+MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+
+
+def test_kubernetes_manifests_validate_strictly():
+    core = [m for m in MANIFESTS if m.name != "servicemonitor.yaml"]  # a CRD: checked below
+    out = _run(_tool("kubernetes-validate"), "--strict", "--quiet", *core)
+    assert out.returncode == 0 and "ERROR" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_kubernetes_manifests_fit_together():
+    yaml = pytest.importorskip("yaml")
+    docs = {d["kind"]: d for m in MANIFESTS for d in yaml.safe_load_all(m.read_text()) if d}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    [server] = pod["containers"]
+    sources = {s.get("configMapRef", s.get("secretRef"))["name"] for s in server["envFrom"]}
+    assert sources == {docs["ConfigMap"]["metadata"]["name"], docs["Secret"]["metadata"]["name"]}
+    assert "KVCODEC_CHUNK_KEY" in docs["Secret"]["stringData"]
+    assert server["livenessProbe"]["exec"]["command"][:2] == ["kvcodec", "probe"]
+    assert server["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    ports = {p["name"] for p in server["ports"]}
+    assert {p["targetPort"] for p in docs["Service"]["spec"]["ports"]} <= ports
+    labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert docs["Service"]["spec"]["selector"].items() <= labels.items()
+    monitor = docs["ServiceMonitor"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics"}
+    gc = docs["CronJob"]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert gc[:3] == ["kvcodec", "store", "gc"]
+    assert docs["ConfigMap"]["data"]["KVCODEC_ENGINE"] == "vllm"
+
+
+RULES = DEPLOY / "prometheus" / "kvcodec-alerts.yml"
+DASHBOARD = DEPLOY / "grafana" / "kvcodec-dashboard.json"
+
+
+def test_alert_rules_pass_promtool_and_their_tests():
+    promtool = _tool("promtool")
+    check = _run(promtool, "check", "rules", RULES)
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = _run(promtool, "test", "rules", RULES.with_suffix(".test.yml"))
+    assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
+
+
+def dashboard_queries() -> list:
+    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+
+
+def test_every_dashboard_query_parses(tmp_path):
+    promtool = _tool("promtool")
+    rules = {"groups": [{"name": "panels", "rules": [{"record": f"panel:{i}", "expr": e}
+                                                      for i, e in enumerate(dashboard_queries())]}]}
+    path = tmp_path / "panels.yml"
+    path.write_text(json.dumps(rules))  # JSON is YAML
+    out = _run(promtool, "check", "rules", path)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def metric_names(text: str) -> set:
+    names = set(re.findall(r"\b((?:kvcodec|nv)_[a-z_]+)", text))
+    return {n.removesuffix("_bucket") for n in names}  # a histogram's buckets: its family
+
+
+def test_every_metric_a_rule_or_panel_reads_is_exported():
+    code = "".join(p.read_text() for d in (REPO / "backends", REPO / "model_repository") for p in d.rglob("*.py"))
+    used = metric_names(RULES.read_text()) | metric_names("\n".join(dashboard_queries()))
+    triton_own = {"nv_inference_count"}
+    # the per-request histograms are named in a loop: f"kvcodec_{name}_seconds" over ttft, fetch, ...
+    stages = {f"kvcodec_{s}_seconds" for s in ("ttft", "fetch", "decode", "restore")}
+    assert 'f"kvcodec_{name}_seconds"' in code
+    missing = sorted(n for n in used - triton_own - stages if f'"{n}"' not in code)
+    assert not missing, missing
+    assert {"kvcodec_store_breaker_state", "kvcodec_misses_total", "kvcodec_requests_total",
+            "kvcodec_writeback_total", "kvcodec_decoder_selftest_passed"} <= used
