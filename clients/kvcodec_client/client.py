@@ -23,6 +23,11 @@ mid-stream. Within ``fallback_s`` of the first failure the client asks again, wi
 answer: the model's own, from its own prefill, with the failures in ``GenerateResult.failures`` and
 in ``stats["client_fallback"]``. Refusals (INVALID_ARG, 4xx) and the client's own timeout are
 never retried: asking again would not change them.
+
+``tls`` (``ClientTls``: the CA that signed the server's certificate, and for mutual TLS the
+client's certificate and key, PEM files) speaks TLS: gRPC to a server started with
+``kvcodec serve --grpc-tls-cert ... [--grpc-tls-client-ca ...]``, HTTPS to a TLS proxy in front of
+the HTTP endpoint (``docs/deploy.md``).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import http.client
 import json
 import queue
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple, Union
@@ -111,16 +117,33 @@ class _Collector:
                               self.reused, self.stats, prompt_tokens=self.prompt_tokens)
 
 
+@dataclass(frozen=True)
+class ClientTls:
+    ca: str  # PEM: the CA that signed the server's certificate
+    cert: Optional[str] = None  # PEM: this client's certificate (mutual TLS)
+    key: Optional[str] = None  # PEM: its private key
+
+    def ssl_context(self):
+        import ssl
+
+        context = ssl.create_default_context(cafile=self.ca)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
+
+
 class KVCodecClient:
     def __init__(self, url: Optional[str] = None, protocol: str = "grpc", timeout_s: float = 600.0,
-                 fallback_s: float = 0.0) -> None:
+                 fallback_s: float = 0.0, tls: Optional[ClientTls] = None) -> None:
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
         if fallback_s < 0:
             raise ValueError(f"fallback_s must be >= 0, got {fallback_s}")
         self.protocol = protocol
-        self.url = (url or DEFAULT_URLS[protocol]).removeprefix("http://").removeprefix("grpc://")
+        self.url = (url or DEFAULT_URLS[protocol]).removeprefix("http://").removeprefix("https://") \
+            .removeprefix("grpc://")
         self.timeout_s = timeout_s
+        self.tls = tls
         self.fallback_s = fallback_s
 
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bool = True,
@@ -156,6 +179,8 @@ class KVCodecClient:
             if self.protocol == "grpc":
                 return self._grpc(inputs)
             return self._http(inputs)
+        except ssl.SSLError as exc:  # a handshake refused: asking again would not change it
+            raise ClientError(f"TLS: {exc}", "tls") from exc
         except (ConnectionError, http.client.HTTPException, socket.gaierror) as exc:
             raise ClientError(f"{type(exc).__name__}: {exc}", CONNECTION) from exc
 
@@ -169,7 +194,9 @@ class KVCodecClient:
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         events: "queue.Queue" = queue.Queue()
-        client = grpcclient.InferenceServerClient(self.url)
+        secure = {} if self.tls is None else {"ssl": True, "root_certificates": self.tls.ca,
+                                              "private_key": self.tls.key, "certificate_chain": self.tls.cert}
+        client = grpcclient.InferenceServerClient(self.url, **secure)
         try:
             try:
                 client.start_stream(callback=lambda result, error: events.put((result, error)))
@@ -207,7 +234,9 @@ class KVCodecClient:
     def _http(self, request) -> GenerateResult:
         host, _, port = self.url.partition(":")
         body = json.dumps({name: _json_value(name, array) for name, array, _ in request})
-        conn = http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s)
+        conn = (http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s) if self.tls is None else
+                http.client.HTTPSConnection(host, int(port or 443), timeout=self.timeout_s,
+                                            context=self.tls.ssl_context()))
         try:
             collector = _Collector()
             conn.request("POST", f"/v2/models/{MODEL}/generate_stream", body=body,

@@ -31,12 +31,30 @@ def _unreachable(url: str, timeout_s: float = 5.0) -> str:
         return exc.strerror or type(exc).__name__
 
 
+def add_tls_args(p) -> None:
+    """``--tls-ca`` (and for mutual TLS ``--tls-cert``, ``--tls-key``): the client side of a server's
+    TLS (``kvcodec serve --grpc-tls-cert ...``, or a TLS proxy in front of HTTP)."""
+    p.add_argument("--tls-ca", help="speak TLS: the CA (PEM) that signed the server's certificate")
+    p.add_argument("--tls-cert", help="mutual TLS: this client's certificate (PEM)")
+    p.add_argument("--tls-key", help="mutual TLS: its private key (PEM)")
+
+
+def client_tls(args):
+    from kvcodec_client.client import ClientTls
+
+    if not args.tls_ca:
+        if args.tls_cert or args.tls_key:
+            raise SystemExit("--tls-cert and --tls-key need --tls-ca (the CA of the server's certificate)")
+        return None
+    return ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+
+
 def cmd_generate(args) -> int:
     from kvcodec.engines import tokenizer
     from kvcodec_client.client import ClientError, KVCodecClient
 
     settings = _settings(args)
-    client = KVCodecClient(args.url, args.protocol, fallback_s=args.fallback_s)
+    client = KVCodecClient(args.url, args.protocol, fallback_s=args.fallback_s, tls=client_tls(args))
     unreachable = _unreachable(client.url)
     if unreachable:
         print(f"kvcodec generate: no server at {client.url} ({args.protocol}: {unreachable}); start one with "
@@ -85,4 +103,5 @@ def register(sub) -> None:
                    help="after a server failure (a stub that died, a restart), ask again as prefill for this "
                         "many seconds (0: report the failure)")
     p.add_argument("--json", action="store_true")
+    add_tls_args(p)
     p.set_defaults(func=cmd_generate)

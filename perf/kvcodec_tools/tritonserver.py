@@ -14,7 +14,8 @@ then SIGKILL to its process group after a grace period, and waits until nothing 
 ``triton_python_backend_stub``), zombies included: Triton 2.51 neither reaps nor restarts a stub
 that died, so a watchdog (``kvcodec_tools.watchdog``) reads them to know when the server must restart.
 
-Triton's administrative APIs (``RESTRICTED``: model control, shared memory, trace, logging) are
+``tls`` (``GrpcTls``; ``kvcodec serve --grpc-tls-cert F --grpc-tls-key F [--grpc-tls-client-ca CA]``)
+serves gRPC over TLS, mutual with a client CA. Triton's administrative APIs (``RESTRICTED``: model control, shared memory, trace, logging) are
 restricted to callers that send the header ``kvcodec-admin`` with the server's ``admin_key``
 (``KVCODEC_ADMIN_KEY``, else random per server): inference, health and metadata stay open.
 
@@ -156,10 +157,29 @@ def stubs_of(pid: int) -> List[Stub]:
     return [stub for stub in map(read_stub, children(pid)) if stub is not None]
 
 
+@dataclass(frozen=True)
+class GrpcTls:
+    """TLS on the gRPC endpoint: the server's certificate and key (PEM); with ``client_ca``, mutual
+    TLS: only clients with a certificate that CA signed are served."""
+    cert: Path
+    key: Path
+    client_ca: Optional[Path] = None
+
+    def args(self) -> List[str]:
+        for path in (self.cert, self.key, self.client_ca):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"gRPC TLS: {path} is not a file")
+        out = ["--grpc-use-ssl=true", f"--grpc-server-cert={self.cert}", f"--grpc-server-key={self.key}"]
+        if self.client_ca is not None:
+            out += [f"--grpc-root-cert={self.client_ca}", "--grpc-use-ssl-mutual=true"]
+        return out
+
+
 class TritonServer:
     def __init__(self, repo: Path, settings: Settings, ports: Ports = Ports(), log_path: Optional[Path] = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", tls: Optional[GrpcTls] = None) -> None:
         self.repo = Path(repo).resolve()
+        self.tls = tls
         self.settings = settings
         self.ports = ports
         self.host = host
@@ -195,6 +215,7 @@ class TritonServer:
             "--exit-timeout-secs=15", "--log-verbose=0",
             f"--http-restricted-api={RESTRICTED}:{ADMIN_HEADER}={self.admin_key}",
             f"--grpc-restricted-protocol={RESTRICTED}:{ADMIN_HEADER}={self.admin_key}",
+            *(self.tls.args() if self.tls is not None else []),
         ]
 
     def environment(self) -> dict:
@@ -289,8 +310,15 @@ def cmd_serve(args) -> int:
     if down:  # the server starts anyway: a store that comes back is used again
         print(f"kvcodec serve: warning: {down}; requests prefill until the store answers", file=sys.stderr,
               flush=True)
+    tls = None
+    if args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca:
+        if not (args.grpc_tls_cert and args.grpc_tls_key):
+            print("kvcodec serve: gRPC TLS needs both --grpc-tls-cert and --grpc-tls-key", file=sys.stderr)
+            return 1
+        tls = GrpcTls(Path(args.grpc_tls_cert), Path(args.grpc_tls_key),
+                      Path(args.grpc_tls_client_ca) if args.grpc_tls_client_ca else None)
     server = TritonServer(Path(args.model_repository), settings,
-                          Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host)
+                          Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host, tls=tls)
     stopping, watching = [], []  # watching: non-empty while a watchdog runs (it may be restarting the server)
 
     def on_signal(signum, _frame):
@@ -395,6 +423,9 @@ def register(sub) -> None:
     p.add_argument("--ladder", "--codecs", dest="ladder",
                    help="comma list of rungs to fetch chunks from, in preference order (KVCODEC_LADDER)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
+    p.add_argument("--grpc-tls-cert", help="the gRPC endpoint's TLS certificate (PEM); with --grpc-tls-key")
+    p.add_argument("--grpc-tls-key", help="its private key (PEM)")
+    p.add_argument("--grpc-tls-client-ca", help="mutual TLS: serve only clients whose certificate this CA signed")
     p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                    help="restart the server when a python stub or the server dies (default on; at most 5 "
                         "restarts in 300 s, then exit 1)")

@@ -8,10 +8,12 @@ response per token), with read timeouts of ``timeout_s``; request bodies of any 
 
 ``.http_url`` and ``.grpc_url`` are ``HOST:PORT`` as ``tritonclient`` takes them. Everything nginx
 writes (config, pid, logs, temp files) lives in ``root``. The deployment this mirrors is in
-docs/deploy-scale-out.md ("A load balancer").
+docs/deploy-scale-out.md ("A load balancer"). ``tls`` (``BalancerTls``) terminates TLS on both
+listeners, mutual with a client CA: the HTTP endpoint's TLS and client-certificate check.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -49,7 +51,8 @@ http {{
     }}
 
     server {{
-        listen {host}:{http_port};
+        listen {host}:{http_port}{ssl};
+{tls}
         location / {{
             proxy_pass http://triton_http;
             proxy_http_version 1.1;
@@ -62,7 +65,8 @@ http {{
     }}
 
     server {{
-        listen {host}:{grpc_port} http2;
+        listen {host}:{grpc_port}{ssl} http2;
+{tls}
         location / {{
             grpc_pass grpc://triton_grpc;
             grpc_read_timeout {timeout_s}s;
@@ -73,15 +77,32 @@ http {{
 """
 
 
+@dataclass(frozen=True)
+class BalancerTls:
+    """TLS on both of the balancer's listeners (HTTP and gRPC): its certificate and key (PEM); with
+    ``client_ca``, only clients whose certificate that CA signed get through (nginx answers the
+    others 400 itself: Triton never sees them)."""
+    cert: Path
+    key: Path
+    client_ca: Optional[Path] = None
+
+    def directives(self) -> str:
+        lines = [f"ssl_certificate {self.cert};", f"ssl_certificate_key {self.key};", "ssl_protocols TLSv1.2 TLSv1.3;"]
+        if self.client_ca is not None:
+            lines += [f"ssl_client_certificate {self.client_ca};", "ssl_verify_client on;"]
+        return "\n".join(f"        {line}" for line in lines)
+
+
 class Balancer:
     def __init__(self, root: Path, host: str, http_port: int, grpc_port: int, backends: Sequence[Tuple[int, int]],
-                 backend_host: str = "127.0.0.1", timeout_s: int = 600, wrap: Wrap = None) -> None:
+                 backend_host: str = "127.0.0.1", timeout_s: int = 600, wrap: Wrap = None,
+                 tls: Optional[BalancerTls] = None) -> None:
         if not backends:
             raise ServiceError("a balancer needs at least one backend (http_port, grpc_port)")
         self.root, self.host = Path(root).resolve(), host
         self.http_port, self.grpc_port = int(http_port), int(grpc_port)
         self.backends: List[Tuple[int, int]] = [(int(h), int(g)) for h, g in backends]
-        self.backend_host, self.timeout_s, self.wrap = backend_host, int(timeout_s), wrap
+        self.backend_host, self.timeout_s, self.wrap, self.tls = backend_host, int(timeout_s), wrap, tls
         self.http_url = f"{host}:{self.http_port}"
         self.grpc_url = f"{host}:{self.grpc_port}"
         self._process: Optional[Process] = None
@@ -95,7 +116,8 @@ class Balancer:
         servers = {k: "\n".join(f"        server {self.backend_host}:{ports[i]};" for ports in self.backends)
                    for i, k in enumerate(("http_servers", "grpc_servers"))}
         return CONF.format(user=user, run=self.root, host=self.host, http_port=self.http_port,
-                           grpc_port=self.grpc_port, timeout_s=self.timeout_s, **servers)
+                           grpc_port=self.grpc_port, timeout_s=self.timeout_s, ssl=" ssl" if self.tls else "",
+                           tls=self.tls.directives() if self.tls else "", **servers)
 
     def start(self, timeout_s: float = 15.0) -> "Balancer":
         if self._process and self._process.alive():
