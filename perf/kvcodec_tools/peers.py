@@ -437,12 +437,19 @@ def run_peers(config: PeersConfig, json_path: Path, plot_path: Optional[Path], w
         methods = sorted(config.methods, key=lambda m: m != "prefill")  # prefill first: the reference tokens
         for method in methods:
             print(f"[{rate:g} Mbit/s] {method}", flush=True)
-            with redis_behind_link(work, rate, config) as (url, password, address, link):
-                rows += run_method(method, rate, files.path, work / f"{rate:g}" / method.replace(":", "-"), texts,
-                                   (url, password, address), config, reference)
-                link_info = link.describe()
-            rows[-1]["link"] = link_info
-        write(rows, config, json_path)
+            try:
+                with redis_behind_link(work, rate, config) as (url, password, address, link):
+                    rows += run_method(method, rate, files.path, work / f"{rate:g}" / method.replace(":", "-"),
+                                       texts, (url, password, address), config, reference)
+                    link_info = link.describe()
+                rows[-1]["link"] = link_info
+            except Exception as exc:  # one method's failure is its row; the others still run
+                print(f"  {method} @ {rate:g} Mbit/s failed: {type(exc).__name__}: {exc}", flush=True)
+                rows.append({"method": method, "bandwidth_mbps": rate, "clients": None,
+                             "context_tokens": config.context_tokens, "ttft_p50_s": None, "ttft_p90_s": None,
+                             "bytes_per_token": None, "tokens_match": None,
+                             "error": f"{type(exc).__name__}: {exc}"[:500]})
+            write(rows, config, json_path)  # after each method: a run stopped later keeps what it measured
     if plot_path:
         plot(rows, plot_path)
     return 0
@@ -457,7 +464,7 @@ def write(rows: List[dict], config: PeersConfig, path: Path) -> None:
     except (OSError, ValueError, KeyError):
         kept = []
     rows = sorted(kept + rows, key=lambda r: (r["bandwidth_mbps"], METHODS.index(method_parts(r["method"])[0]),
-                                              r["method"], r["clients"]))
+                                              r["method"], r["clients"] or 0))
     path.write_text(json.dumps({"rows": rows, "config": asdict(config), "model": "SmolLM2-135M-Instruct, float32",
                                 "machine": f"{os.cpu_count()} CPU cores", "python": sys.version.split()[0]},
                                indent=2) + "\n")

@@ -45,7 +45,7 @@ from .sampling import ENGINE_FIELDS, GREEDY, Sampling
 
 log = logging.getLogger("kvcodec.vllm")
 
-MAX_MODEL_LEN = 4096  # the engine's context: the card says so, requests are checked against it
+MAX_MODEL_LEN = 8192  # the engine's context (at most the model's): the card says so, requests are checked against it
 # Settings that worked on the CPU build (../shared/FINDINGS.md); an operator's own values win.
 ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
