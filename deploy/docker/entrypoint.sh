@@ -6,7 +6,8 @@
 #   KVCODEC_GPUS        GPU ids for the gpu and trtllm variants (default 0)
 #   KVCODEC_REPOSITORY  where the repository is written (default /models)
 # Triton's model control, shared memory, trace and logging APIs are restricted to callers that
-# send the header "kvcodec-admin: $KVCODEC_ADMIN_KEY" (a random value when not set).
+# send the header "kvcodec-admin: $KVCODEC_ADMIN_KEY" (over gRPC the metadata
+# "triton-grpc-protocol-kvcodec-admin"; a random value when not set).
 # Arguments after the image name are passed to tritonserver.
 set -eu
 variant="${KVCODEC_VARIANT:-gpu}"

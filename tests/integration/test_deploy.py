@@ -123,7 +123,9 @@ def test_the_admin_apis_refuse_callers_without_the_admin_header(server):
     try:
         with pytest.raises(InferenceServerException):
             client.get_model_repository_index()
-        assert client.get_model_repository_index(headers={"kvcodec-admin": server.admin_key}) is not None
+        # over gRPC Triton reads the header as triton-grpc-protocol-<name>
+        admin = {"triton-grpc-protocol-kvcodec-admin": server.admin_key}
+        assert client.get_model_repository_index(headers=admin) is not None
         assert client.is_server_ready() and client.get_model_metadata("kvcodec")
     finally:
         client.close()

@@ -241,7 +241,8 @@ def test_relative_links_point_at_files(path):
 
 def code_sources() -> str:
     roots = [REPO / "backends", REPO / "perf" / "kvcodec_tools", REPO / "model_repository", REPO / "clients"]
-    return "\n".join(p.read_text() for root in roots for p in sorted(root.rglob("*.py")))
+    scripts = sorted((REPO / "deploy").rglob("*.sh"))  # the containers' entrypoint reads its own
+    return "\n".join(p.read_text() for p in [*(p for root in roots for p in sorted(root.rglob("*.py"))), *scripts])
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))

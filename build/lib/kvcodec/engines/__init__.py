@@ -1,0 +1,176 @@
+"""Engines: what runs the model on restored KV. One seam, chosen by name.
+
+An engine entry is registered in ``ENGINES`` as ``"module:Class"`` (imported only when chosen, so
+a heavy engine costs nothing to those who do not pick it); ``--engine NAME`` / ``KVCODEC_ENGINE``
+(setting ``engine``, default ``transformers``) picks one. Adding an engine is one ``register``
+line and a class that keeps the contract below.
+
+Contract of an engine class:
+
+- ``Class.model_card(settings) -> ModelCard`` (classmethod, cheap: no weights loaded, nothing
+  converted): the model's identity (bound into every chunk key), KV geometry, vocabulary size,
+  context length, RoPE settings, codec profile name and KV dtype. The model is the settings'
+  ``model`` folder (``--model DIR``, ``KVCODEC_MODEL``) or the embedded SmolLM2-135M-Instruct
+  (``model_files``: ``card_for``, ``files_for``). The steps that only fetch and decode (``kv_fetch``,
+  ``kv_decode``) use this and never load the model.
+- ``Class.prepare(settings)``: make the model's files ready (may convert them, once; cheap after).
+- ``Class.tokenizer(settings)``: the model's tokenizer (``encode(text)``, ``decode(ids)``) alone,
+  for clients that send token ids.
+- ``Class.from_settings(settings) -> Engine``: load the model.
+- ``engine.card``: its ``ModelCard``; ``engine.geometry(tokens)``: KV geometry of ``tokens``.
+- ``engine.tokenize(text) -> list[int]`` (no special tokens added) and
+  ``engine.detokenizer() -> Detokenizer`` (incremental: ``push(token) -> text added``).
+- ``engine.prefill_chunks(ids, chunk_tokens)``: the KV of each full chunk of ``ids``, float32
+  ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (ingest, the quality harness).
+- ``engine.stream(ids, max_tokens, past_kv=None, sampling=GREEDY)``: token ids one by one, picked as
+  ``sampling`` (``engines.sampling.Sampling``) asks, of which the engine honours its
+  ``sampling_fields`` (``serving.generate`` refuses a request asking for another); with ``past_kv``
+  (the KV of ``ids[:n]``, ``n < len(ids)``; float16 or float32, converted to the engine's own
+  dtype) only ``ids[n:]`` is computed. Its own ``kv_dtype`` KV in must give exactly the tokens of
+  its own full prefill (the ``raw`` rung's promise).
+- ``engine.continuation_logprobs(past_kv, ids)``: teacher-forced next-token log-probabilities
+  ``[len(ids), vocab]`` (the quality harness).
+- ``engine.max_concurrency``, ``engine.takes_session``, ``engine.writeback_stats()``, ``engine.close()``
+  (``model_files.EngineFiles`` gives the defaults: one request at a time, no streamed loads, no
+  write-back, nothing to release).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Protocol, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..format.geometry import Geometry
+from ..registry import Registry
+from .sampling import GREEDY, Sampling
+
+KV_DTYPES = ("float16", "float32")  # what a card's ``kv_dtype`` may say (the ``native`` layout's dtypes)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the serving steps need to know of a model without loading it."""
+
+    name: str  # e.g. SmolLM2-135M-Instruct
+    model_id: str  # name + a digest of the weights: bound into every chunk key and header
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int  # token ids must be below this
+    max_context: int  # prompt + generated tokens
+    codec_profile: Optional[str] = None  # the PCA profile of the transform layouts (``kvcodec.profiles``)
+    # The dtype the engine computes and keeps its KV in: "float32" (CPU engines) or "float16" (GPU).
+    # The ``raw`` rung stores exactly these bytes (``Scheme.for_card``), so it is part of raw's identity.
+    kv_dtype: str = "float16"
+    # RoPE as the model's config says: the profile fit and the transform layouts undo it on keys
+    rope_theta: Optional[float] = None
+    rope_type: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"model card {self.name}: kv_dtype {self.kv_dtype!r} is not one of "
+                              f"{', '.join(KV_DTYPES)}")
+
+    def geometry(self, tokens: int) -> Geometry:
+        return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, tokens=tokens)
+
+
+class Detokenizer(Protocol):
+    def push(self, token: int) -> str:
+        """The text that ``token`` adds (may be '' until a multi-token character is complete)."""
+
+    def flush(self) -> str:
+        """Whatever text is still held back at the end."""
+
+
+class Engine(Protocol):
+    name: str  # its registry name
+    card: ModelCard
+    max_concurrency: int
+    # True: ``stream`` takes ``load=`` (a ``connector.LoadSession`` whose chunks may still be arriving)
+    # and takes them where they are; otherwise the llm step waits for every chunk and passes ``past_kv``
+    takes_session: bool
+    sampling_fields: FrozenSet[str]  # the ``Sampling`` fields ``stream`` honours (``sampling.ENGINE_FIELDS`` at most)
+
+    def geometry(self, tokens: int) -> Geometry: ...
+
+    def tokenize(self, text: str) -> List[int]: ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+    def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]: ...
+
+    def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
+               report: Optional["StreamReport"] = None, load=None, sampling: Sampling = GREEDY) -> Iterator[int]: ...
+
+    def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
+
+    def writeback_stats(self) -> Optional[dict]:
+        """The write-back sink's counts (queued, stored, dropped, failed, pending); None: no write-back."""
+
+    def close(self) -> None:
+        """Release threads, write-back (finishing what was accepted) and store connections."""
+
+
+@dataclass
+class StreamReport:
+    """What an engine says of one ``stream`` call. The engine fills it as it goes; ``serving.generate``
+    reads what the engine took at the first token and the rest at the end (``RequestStats.engine``).
+    A field left None was not said (``reused_tokens`` None: the engine took all the KV it was given)."""
+
+    reused_tokens: Optional[int] = None  # tokens of the restored KV the engine took (a paged engine: whole blocks)
+    promised_tokens: Optional[int] = None  # vllm: what the connector promised the scheduler
+    staged_tokens: Optional[int] = None  # trtllm: restored tokens staged on the pool's device
+    async_load: Optional[bool] = None  # vllm: the load ran beside the engine's steps
+    load_s: Optional[float] = None  # vllm: seconds spent writing restored KV into blocks
+    saved_chunks: Optional[int] = None  # full chunks of the prompt handed to write-back
+    save_copy_s: Optional[float] = None  # vllm: seconds spent copying them out of blocks
+    local_tokens: Optional[int] = None  # vllm: prompt tokens its own prefix cache held (not loaded, not computed)
+
+    def engine_stats(self) -> Dict[str, Any]:
+        """The fields said, but ``reused_tokens``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "reused_tokens" and getattr(self, f.name) is not None}
+
+
+ENGINES: Registry = Registry("engine")
+ENGINES.register("transformers", "kvcodec.engines.transformers_engine:TransformersEngine")
+ENGINES.register("vllm", "kvcodec.engines.vllm_engine:VllmEngine")
+ENGINES.register("trtllm", "kvcodec.engines.trtllm_engine:TrtllmEngine")  # TensorRT-LLM's LLM API (its container)
+
+
+def model_card(settings) -> ModelCard:
+    """The chosen engine's model card (cheap)."""
+    return ENGINES.get(settings.engine).model_card(settings)
+
+
+def sampling_fields(settings, card: ModelCard) -> FrozenSet[str]:
+    """The ``Sampling`` fields a request may ask of the chosen engine for ``card``'s model: the ones
+    it honours (``honoured_fields``, known without loading it) and stop words (``serving.generate``
+    applies them for every engine)."""
+    from .sampling import GENERATE_FIELDS
+
+    return ENGINES.get(settings.engine).honoured_fields(card) | GENERATE_FIELDS
+
+
+def prepare(settings) -> None:
+    """Make the chosen engine's model files ready (``kvcodec serve`` does it before the server starts)."""
+    ENGINES.get(settings.engine).prepare(settings)
+
+
+# The submodule ``tokenizer`` is imported here, before the function of that name is defined: a first
+# ``import kvcodec.engines.tokenizer`` later would otherwise set the package attribute to the module,
+# and ``from kvcodec.engines import tokenizer`` would give the module instead of this function.
+from . import tokenizer as _tokenizer_module  # noqa: E402,F401
+
+
+def tokenizer(settings):
+    """The chosen engine's tokenizer."""
+    return ENGINES.get(settings.engine).tokenizer(settings)
+
+
+def open_engine(settings) -> Engine:
+    """The chosen engine, loaded."""
+    return ENGINES.get(settings.engine).from_settings(settings)

@@ -1,0 +1,82 @@
+"""What TensorRT-LLM's two connector halves and the ensemble's engine share in one process (rank 0).
+
+TensorRT-LLM makes the scheduler half and the worker half itself (``cls(llm_args)``); with TP=1
+and ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` both live in the process that runs the executor, beside the
+``trtllm`` engine of the ensemble's ``llm`` step. ``Shared`` is what passes between them, typed:
+
+- ``stage``: restored KV by prompt prefix (``connector.Stage``, bounded in bytes), filled by the
+  engine (``stage_restored``) or the prefetcher; only staged KV is ever promised;
+- ``pages``: the engine's pool (``KVPages``), set by the worker's ``register_kv_caches``;
+- ``loads``: the loads the scheduler accepted (``connector.scheduler.Load``, by executor request
+  id), taken by the worker's ``start_load_kv`` in the same step (the step's metadata names them);
+- ``promised``: tokens promised per prompt (``connector.prompt_key`` of its ids and salt), taken by
+  the engine to report ``reused_tokens``;
+- ``corrupt``: store keys a read found corrupt; the write-back sink replaces them.
+
+``to_pool(kv, pages)``: staged KV in the pool's dtype and on its device (from the host through pinned
+memory on a side stream of the calling thread, which waits for it: never the executor's stream).
+``fits(kv, card, pages)``: whether staged KV can be copied into the pool as it is (shape, dtype,
+device): only then is it promised.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ..connector import HandOff, KVPages, Stage
+from ..connector.sink import KeySet
+
+log = logging.getLogger("kvcodec.trtllm")
+
+
+@dataclass
+class Shared:
+    stage: Stage = field(default_factory=Stage)
+    loads: HandOff = field(default_factory=HandOff)
+    promised: HandOff = field(default_factory=HandOff)
+    corrupt: KeySet = field(default_factory=KeySet)
+    pages: Optional[KVPages] = None
+
+
+SHARED = Shared()
+_streams = threading.local()
+
+
+def to_pool(kv: Any, pages: Optional[KVPages]):
+    """``kv`` (numpy, or torch on any device) as a torch tensor in the pool's dtype on its device
+    (float16 on the CPU before a pool is registered)."""
+    import torch
+
+    device = pages.views[0][0].device if pages is not None else torch.device("cpu")
+    dtype = pages.dtype if pages is not None else torch.float16
+    if isinstance(kv, np.ndarray):
+        kv = torch.from_numpy(np.ascontiguousarray(kv))
+    if kv.device == device:
+        return kv.to(dtype).contiguous()
+    if device.type != "cuda":
+        return kv.to(device=device, dtype=dtype).contiguous()
+    stream = getattr(_streams, "stream", None)
+    if stream is None:
+        stream = _streams.stream = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(stream):
+        src = kv.pin_memory() if kv.device.type == "cpu" else kv
+        out = src.to(device=device, non_blocking=True).to(dtype).contiguous()
+    stream.synchronize()  # this thread waits, not the executor's stream
+    return out
+
+
+def fits(kv: Any, card, pages: Optional[KVPages]) -> bool:
+    import torch
+
+    want = (card.layers, 2, card.kv_heads, card.head_dim)
+    if not isinstance(kv, torch.Tensor) or pages is None or kv.dtype != pages.dtype \
+            or kv.device != pages.views[0][0].device:
+        return False  # not in the pool's dtype and device (``to_pool`` puts it there): the copy could still fail
+    if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != want:
+        log.error("staged KV of shape %s does not fit model %s: not promised", tuple(kv.shape), card.name)
+        return False
+    return True

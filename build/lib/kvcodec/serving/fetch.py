@@ -1,0 +1,322 @@
+"""Fetch: the longest stored prefix of a prompt, streamed chunk by chunk, rung by rung.
+
+``Fetcher.plan(ids)`` looks up which rungs (schemes of the ladder, best quality first) hold each
+of the prompt's chunks, probing the store concurrently, and keeps each rung's run of stored chunks
+from the start (at least one prompt token is always left to compute).
+
+``Fetcher.fetch(ids, session)`` yields ``(ChunkInfo, bytes)`` for each planned chunk as it
+arrives (the caller sends each on at once, so chunk i is decoded while chunk i+1 is on the wire);
+it yields one ``count == 0`` record when there is nothing to reuse. Two policies:
+
+- static (``adaptive=False``, or a request that names its codecs): the preferred rung with the
+  longest run, for every chunk;
+- adaptive: per chunk, the rung whose slowest stage (transfer at the measured link rate, decode
+  and restore at this machine's measured cost, see ``kvcodec.serving.costs``) is quickest; with a
+  deadline, the best-quality rung that still meets it. A rung that misses falls back to the next
+  one for that chunk. Before each chunk it compares fetching the rest with recomputing it and
+  stops (status ``recompute``) when recomputing is faster, as CacheGen does. Each choice is
+  written into the chunk's ``ChunkInfo.choice``.
+
+A store error mid-way becomes a failed chunk (a miss from there on), never an exception. So does
+time. A sick store costs a request at most about one prefill of what it stores:
+
+- the give-up budget: a request's store calls (the look-up too) end by
+  ``GIVE_UP_SHARE * max(MIN_FAULT_S, predicted prefill of the stored prefix)`` after it came (before
+  the look-up, of the longest prefix that could be stored), and never after ``timeout_s``
+  (``fetch_timeout_s``, the outer bound). The prefill rate is the cost model's;
+- patience (adaptive): while a chunk is awaited, the request stops waiting as soon as finishing the
+  fetch is predicted slower than recomputing the rest: when the wait on chunk i passes
+  ``prefill(chunks i..) - predicted fetch(chunks after i)`` (at least ``MIN_PATIENCE_S``);
+- a store that does not answer in time ends reuse at that chunk with status ``timeout``; one that
+  refuses or errs, with ``error``, at once. The model computes the rest.
+A request that names its rungs (``codecs``: a baseline of a benchmark) asked for them however slow
+they are: it is held to ``timeout_s`` only (the breaker still keeps it off a dead store).
+
+Every store call runs on ``serving.calls.StoreCalls``: a fixed pool per store, each call inside
+the request's deadline (``store.deadline``: a network store cuts the call and closes its socket
+then, so hung calls do not pile up), counted (``snapshot()``, sent with each request in
+``ChunkInfo.store``) and heard by the store's circuit breaker (``serving.breaker``): once a call
+fails or times out, requests skip the store at once (status ``none``, "store skipped") until a
+probe finds it answering again (the first request after the cooldown runs the probe and waits up to
+``PROBE_WAIT_S`` for it; a healed store is used again within two requests).
+
+Estimates heal: when the adaptive fetcher chooses to recompute, no transfer would correct a link
+estimate that a slow moment made too pessimistic; so it reads up to ``LINK_PROBE_BYTES`` of the
+first chunk in the background (at most every ``LINK_PROBE_EVERY_S``) and records that transfer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from ..errors import KVCodecError, StoreTimeout
+from ..format.codecs import Scheme
+from ..format.keys import chunk_keys, reusable_chunks
+from ..format.ladder import parse_ladder, rung_name
+from ..store import KVStore
+from ..store.deadline import call_deadline
+from .breaker import Breaker
+from .calls import StoreCalls
+from .chunkinfo import ChunkInfo
+from .costs import CostModel
+
+PROBE_THREADS = 16  # the fixed pool of one store's calls
+MIN_FAULT_S = 2.0  # a store fault may cost a request max(this, predicted prefill of the stored prefix)
+GIVE_UP_SHARE = 0.8  # of that, the share the store may take (the rest: what runs after giving up)
+MIN_PATIENCE_S = 0.5  # the shortest wait on one chunk (a healthy store answers well within it)
+PROBE_WAIT_S = 0.2  # how long a request waits for the breaker's probe before going without the store
+LINK_PROBE_BYTES = 256 * 1024
+LINK_PROBE_EVERY_S = 5.0
+
+
+@dataclass
+class Plan:
+    runs: List[Tuple[Scheme, List[str]]]  # per rung, in ladder order: the keys of its stored run
+
+    @property
+    def n_chunks(self) -> int:
+        return max((len(keys) for _, keys in self.runs), default=0)
+
+    @property
+    def scheme(self) -> Scheme:
+        """The preferred rung among those with the longest run."""
+        return next(s for s, keys in self.runs if len(keys) == self.n_chunks)
+
+    @property
+    def keys(self) -> List[str]:
+        return next(keys for _, keys in self.runs if len(keys) == self.n_chunks)
+
+    def candidates(self, index: int) -> List[Tuple[Scheme, str]]:
+        return [(s, keys[index]) for s, keys in self.runs if len(keys) > index]
+
+
+@dataclass
+class Estimate:
+    scheme: Scheme
+    key: str
+    fetch_s: float
+    decode_s: float
+    restore_s: float
+
+    @property
+    def stage_s(self) -> float:
+        return max(self.fetch_s, self.decode_s, self.restore_s)
+
+    def describe(self) -> str:
+        return (f"{rung_name(self.scheme)} {self.stage_s:.3f}s (fetch {self.fetch_s:.3f}, "
+                f"decode {self.decode_s:.3f}, restore {self.restore_s:.3f})")
+
+
+class Fetcher:
+    def __init__(self, store: KVStore, model_id: str, codecs: Sequence[str], chunk_tokens: int,
+                 costs: Optional[CostModel] = None, adaptive: bool = False, deadline_s: float = 0.0,
+                 card: Optional[Any] = None, timeout_s: float = 20.0, breaker: Optional[Breaker] = None) -> None:
+        """``card``: the model's ``engines.ModelCard``; every rung is bound to it (codec profile,
+        KV dtype: ``Scheme.for_card``), so the keys are those ingest wrote for this engine.
+        ``breaker``: the store's circuit breaker (a default one otherwise)."""
+        self.store = store
+        self.model_id = model_id
+        self.card = card
+        self.schemes = parse_ladder(list(codecs), card)
+        self.chunk_tokens = chunk_tokens
+        self.costs = costs or CostModel()
+        self.adaptive = adaptive
+        self.deadline_s = deadline_s
+        self.timeout_s = timeout_s  # the hard limit on a request's store calls (``fetch_timeout_s``)
+        self.calls = StoreCalls(store, PROBE_THREADS, breaker)
+        self._link_probe_at = -LINK_PROBE_EVERY_S
+
+    def close(self) -> None:
+        self.calls.close()
+
+    # -- plan --------------------------------------------------------------------------------
+    def plan(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None,
+             deadline: Optional[float] = None) -> Plan | None:
+        """``deadline``: a ``time.monotonic()`` by which the look-up must be done (``StoreTimeout`` after)."""
+        limit = reusable_chunks(len(ids), self.chunk_tokens)
+        schemes = list(schemes or self.schemes)
+        all_keys = [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit) for s in schemes]
+        flat = [k for keys in all_keys for k in keys]
+        futures = [self.calls.submit(self.store.exists, k, deadline=deadline) for k in flat]
+        found = self.calls.wait(futures, deadline, "look-up")
+        present = dict(zip(flat, found, strict=True))
+        runs = []
+        for scheme, keys in zip(schemes, all_keys, strict=True):
+            n = 0
+            while n < len(keys) and present[keys[n]]:
+                n += 1
+            runs.append((scheme, keys[:n]))
+        plan = Plan(runs)
+        return plan if plan.n_chunks else None
+
+    # -- choice ------------------------------------------------------------------------------
+    def estimates(self, plan: Plan, index: int) -> List[Estimate]:
+        self.costs.reload()
+        out = []
+        for scheme, key in plan.candidates(index):
+            c = self.costs.rung(scheme.identity)
+            t = self.chunk_tokens
+            out.append(Estimate(scheme, key, self.costs.transfer_s(self.store.url, c.bytes_per_token * t),
+                                c.decode_s_per_token * t, c.restore_s_per_token * t))
+        return out
+
+    def _rank(self, estimates: List[Estimate], remaining: int, budget_s: Optional[float]) -> List[Estimate]:
+        fastest = sorted(estimates, key=lambda e: e.stage_s)  # stable: ties keep ladder (quality) order
+        if budget_s is None:
+            return fastest
+        fits = [e for e in estimates if e.stage_s * remaining <= budget_s]
+        return fits + [e for e in fastest if e not in fits] if fits else fastest
+
+    def _predict(self, plan: Plan, index: int) -> Tuple[float, float]:
+        """(seconds to fetch, seconds to compute) the chunks from ``index`` on."""
+        if index >= plan.n_chunks:
+            return 0.0, 0.0
+        remaining = plan.n_chunks - index
+        # A chunk's estimates depend only on which rungs hold it: one estimate per set of rungs,
+        # not one per remaining chunk (which made each request quadratic in its chunks).
+        best: Dict[Tuple[str, ...], Estimate] = {}
+        per_chunk: List[Estimate] = []
+        for j in range(index, plan.n_chunks):
+            rungs = tuple(scheme.identity for scheme, _ in plan.candidates(j))
+            if rungs not in best:
+                best[rungs] = min(self.estimates(plan, j), key=lambda e: e.stage_s)
+            per_chunk.append(best[rungs])
+        last = per_chunk[-1]
+        fetch_s = sum(e.stage_s for e in per_chunk) + last.decode_s + last.restore_s  # the pipeline drains
+        return fetch_s, self.costs.prefill_s_per_token * remaining * self.chunk_tokens
+
+    def _recompute_reason(self, plan: Plan, index: int) -> str:
+        """Why the chunks from ``index`` on are better recomputed, or '' if fetching them is faster."""
+        fetch_s, compute_s = self._predict(plan, index)
+        if fetch_s <= compute_s:
+            return ""
+        return (f"recompute: fetching the last {plan.n_chunks - index} chunk(s) would take ~{fetch_s:.2f}s, "
+                f"computing them ~{compute_s:.2f}s")
+
+    def give_up_s(self, tokens: int) -> float:
+        """How long a request may wait on the store in all, when ``tokens`` tokens are stored."""
+        return min(self.timeout_s, GIVE_UP_SHARE * max(MIN_FAULT_S, self.costs.prefill_s_per_token * tokens))
+
+    def _patience_s(self, plan: Plan, index: int) -> float:
+        """How long to wait for chunk ``index``: past it, finishing the fetch is predicted slower
+        than computing the rest."""
+        compute_s = self._predict(plan, index)[1]
+        after_s = self._predict(plan, index + 1)[0]
+        return max(MIN_PATIENCE_S, compute_s - after_s)
+
+    # -- fetch -------------------------------------------------------------------------------
+    def fetch(self, ids: Sequence[int], session: str, reuse: bool = True,
+              codecs: Optional[Sequence[str]] = None) -> Iterator[Tuple[ChunkInfo, bytes]]:
+        """``codecs``: rung specs for this request only (a static choice among them)."""
+        t_request, t0 = time.time(), time.monotonic()
+        adaptive = self.adaptive and not codecs
+        self.costs.reload()
+        plan, reason = None, "reuse disabled by the request"
+        if reuse:
+            reason = self.calls.gate(PROBE_WAIT_S)  # '' unless the store's breaker keeps it out
+        store = self.calls.snapshot()  # the store's calls and breaker as this request came
+        if reuse and not reason:
+            longest = reusable_chunks(len(ids), self.chunk_tokens) * self.chunk_tokens
+            lookup_by = t0 + (self.timeout_s if codecs else self.give_up_s(longest))
+            try:
+                schemes = parse_ladder(list(codecs), self.card) if codecs else None
+                plan = self.plan(ids, schemes, lookup_by)
+            except StoreTimeout:
+                reason = f"store lookup timed out: no answer within {lookup_by - t0:.2f}s"
+            except KVCodecError as exc:
+                reason = f"store lookup failed: {exc}"
+        if plan is None:
+            info = ChunkInfo(session, 0, 0, status="none", reason=reason or "no stored prefix", store=store)
+            info.t.update(request=t_request, sent=time.time())
+            yield info, b""
+            return
+        n = plan.n_chunks
+        give_up = self.timeout_s if codecs else self.give_up_s(n * self.chunk_tokens)
+        store_by = t0 + give_up
+        budget = (f"the fetch deadline of {self.timeout_s:g}s" if give_up >= self.timeout_s else
+                  f"the request's store budget of {give_up:.2f}s (the predicted prefill of the prefix)")
+        failed = False
+        for i in range(n):
+            info = ChunkInfo(session, i, n, token_start=i * self.chunk_tokens, tokens=self.chunk_tokens,
+                             store=store if i == 0 else {})
+            info.t["request"] = t_request
+            info.t["fetch_start"] = time.time()
+            data = b""
+            if failed:
+                info.fail("miss", "an earlier chunk failed")
+            elif time.monotonic() >= store_by:
+                info.fail("timeout", f"{budget} passed")
+            elif adaptive and (why := self._recompute_reason(plan, i)):
+                info.fail("recompute", why)
+                self._probe_link(plan)
+            else:
+                wait_by, why = store_by, budget
+                if adaptive and (patience := self._patience_s(plan, i)) < store_by - time.monotonic():
+                    wait_by = time.monotonic() + patience
+                    why = f"{patience:.2f}s, past which recomputing the rest is predicted faster"
+                data = self._fetch_chunk(info, plan, i, adaptive, t_request, wait_by, why)
+            failed = not info.ok
+            info.t["sent"] = time.time()
+            yield info, data
+
+    def _fetch_chunk(self, info: ChunkInfo, plan: Plan, i: int, adaptive: bool, t_request: float,
+                     deadline: float, why: str) -> bytes:
+        """``why``: what ``deadline`` is, for the reason of a timeout."""
+        if adaptive:
+            estimates = self.estimates(plan, i)
+            budget = self.deadline_s - (time.time() - t_request) if self.deadline_s > 0 else None
+            ranked = self._rank(estimates, plan.n_chunks - i, budget)
+            tries = [(e.scheme, e.key) for e in ranked]
+            info.choice = "; ".join(e.describe() for e in ranked)
+        else:
+            tries = [(plan.scheme, plan.keys[i])]
+        data = b""
+        errors: List[str] = []
+        t0 = time.perf_counter()
+        for scheme, key in tries:
+            info.scheme, info.scheme_id, info.key = scheme.name, scheme.identity, key
+            t_get = time.perf_counter()
+            try:
+                call = self.calls.submit(self.store.get, key, deadline=deadline)
+                data = self.calls.wait([call], deadline, f"chunk {i}")[0] or b""
+            except StoreTimeout:
+                errors.append(f"timeout: the store did not answer within {why}")
+                break  # no time left for another rung
+            except KVCodecError as exc:
+                errors.append(f"error: store: {exc}")
+                continue
+            seconds = time.perf_counter() - t_get
+            if data:
+                self._observe(len(data), seconds)
+                break
+            errors.append("miss: chunk vanished from the store")
+        info.s["fetch"] = time.perf_counter() - t0
+        info.bytes = len(data)
+        if not data:
+            status, _, reason = errors[-1].partition(": ")
+            info.fail(status, reason if len(errors) == 1 else f"{reason} (tried {len(errors)} rungs)")
+        return data
+
+    def _probe_link(self, plan: Plan) -> None:
+        """Measure the link in the background when recomputing was chosen (see the module's docstring)."""
+        now = time.monotonic()
+        if now - self._link_probe_at < LINK_PROBE_EVERY_S or not self.calls.breaker.allow():
+            return
+        self._link_probe_at = now
+        key = plan.candidates(0)[0][1]
+
+        def measure():
+            t = time.perf_counter()
+            with call_deadline(time.monotonic() + LINK_PROBE_EVERY_S):
+                data = self.store.get_range(key, 0, LINK_PROBE_BYTES)
+            if data:
+                self._observe(len(data), time.perf_counter() - t, fresh=True)
+
+        self.calls.submit(measure, deadline=now + LINK_PROBE_EVERY_S)
+
+    def _observe(self, nbytes: int, seconds: float, fresh: bool = False) -> None:
+        try:
+            self.costs.observe_transfer(self.store.url, nbytes, seconds, fresh=fresh)
+        except OSError:
+            pass  # a cost file we cannot write only makes estimates staler

@@ -1,0 +1,134 @@
+"""KV chunk stores, chosen by URL scheme.
+
+Contract of a ``KVStore`` (every backend: the filesystem default, memory for tests, HTTP(S),
+Redis and S3):
+
+- ``get(key) -> bytes | None``: the stored bytes, or ``None`` on a miss (a miss is not an error);
+- ``exists(key) -> bool``: cheap presence test;
+- ``get_range(key, start, end) -> bytes | None``: bytes ``[start, end)`` of the stored value (as
+  ``get(key)[start:end]``: short or empty past the end), or ``None`` on a miss;
+- ``put(key, data, overwrite=False) -> bool``: a create: stores ``data`` only where the key is
+  absent and says whether it did (False: another writer stored the key first, and its value stays:
+  chunk keys name their content, so that is the same chunk). ``overwrite=True`` replaces what is
+  there (a stored copy found corrupt). Atomic: a reader sees no value, the old one or the whole
+  new one, never a torn one. Every backend creates the same way: the file store with a hard link
+  (``link(2)`` fails on an existing name), memory under a lock, Redis ``SET NX``, S3 ``PutObject``
+  with ``If-None-Match: *``, HTTP ``PUT`` with ``If-None-Match: *`` (412: taken);
+- ``delete(key)``: remove if present;
+- ``close()``: release connections;
+- ``scan() -> Iterator[Entry]``: every stored chunk as ``Entry(key, size, time)``, ``time`` the
+  last use where the store tracks it (Redis idle time, a file's access time), else the last write
+  (epoch seconds); for ``kvcodec.store.capacity`` (usage, gc), not for serving;
+- network stores also: ``drop_connections()``: connections made until now are not reused (the
+  fetcher's circuit breaker calls it when it opens); and each call honours the caller's
+  ``kvcodec.store.deadline.call_deadline`` where the backend can (HTTP(S)).
+Transport failures raise ``StoreUnavailable``, and so does a store that refuses the credentials
+(the message says so). Keys are ``[0-9a-z/]`` paths made by ``kvcodec.format.keys``.
+
+``open_store(url)`` picks the backend by scheme (``file://DIR``, ``memory://NAME``,
+``http[s]://HOST:PORT/PREFIX``, ``redis[s]://:PASSWORD@HOST:PORT/DB``,
+``redis[s]+cluster://:PASSWORD@HOST:PORT[,HOST:PORT...]``, ``s3://BUCKET/PREFIX``); the backend's
+module (and ``redis``, ``boto3``) is imported only when its scheme is used. Secrets come from
+``KVCODEC_STORE_TOKEN`` (the HTTP bearer token; the Redis password when the URL has none), or for
+S3 the standard ``AWS_*`` variables, so they need not be in a URL. TLS (``https``, ``rediss``,
+an S3 endpoint on ``https``) verifies the server against the system CAs, or against the CA bundle
+``KVCODEC_STORE_CA_FILE`` (settings' ``store_ca_file``) when set.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterator, NamedTuple, Optional
+from urllib.parse import urlsplit
+
+from ..errors import BadRequest, ConfigError
+from ..registry import Registry
+
+_KEY = re.compile(r"^[0-9a-z][0-9a-z/_-]{0,254}$")
+
+
+CA_FILE_ENV = "KVCODEC_STORE_CA_FILE"
+
+
+class Entry(NamedTuple):
+    """One stored chunk, as ``KVStore.scan`` lists it."""
+
+    key: str
+    size: int
+    time: float  # last use where the store tracks it, else last write (epoch seconds)
+
+
+class KVStore:
+    url: str = ""
+
+    def get(self, key: str) -> Optional[bytes]:
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
+        """Bytes ``[start, end)`` of the value, or None on a miss (default: slice ``get``)."""
+        check_range(start, end)
+        data = self.get(key)
+        return None if data is None else data[start:end]
+
+    def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+        """Store ``data`` at ``key`` if absent (or always, with ``overwrite``); True when stored."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def scan(self) -> Iterator[Entry]:
+        raise NotImplementedError(f"{type(self).__name__} cannot list its chunks")
+
+    def close(self) -> None:
+        pass
+
+    def drop_connections(self) -> None:
+        """Connections made until now are not reused (network stores; nothing to do for the others)."""
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY.match(key) or ".." in key or "//" in key:
+        raise BadRequest(f"bad store key {key!r}")
+    return key
+
+
+def check_range(start: int, end: int) -> None:
+    if not (isinstance(start, int) and isinstance(end, int)) or not 0 <= start <= end:
+        raise BadRequest(f"bad byte range [{start!r}, {end!r}): need 0 <= start <= end")
+
+
+STORES: Registry = Registry("store scheme")
+STORES.register("file", "kvcodec.store.fs:FileStore")
+STORES.register("memory", "kvcodec.store.memory:MemoryStore")
+STORES.register("http", "kvcodec.store.http:HttpStore")
+STORES.register("redis", "kvcodec.store.redis_store:RedisStore")
+STORES.register("redis+cluster", "kvcodec.store.redis_store:RedisClusterStore")
+STORES.register("https", "kvcodec.store.http:HttpStore")
+STORES.register("rediss", "kvcodec.store.redis_store:RedisStore")
+STORES.register("rediss+cluster", "kvcodec.store.redis_store:RedisClusterStore")
+STORES.register("s3", "kvcodec.store.s3:S3Store")
+
+
+TLS_SCHEMES = ("https", "rediss", "rediss+cluster", "s3")  # the stores that take a CA bundle
+
+
+def open_store(url: str, ca_file: Optional[str] = None) -> KVStore:
+    """The store of ``url``; ``ca_file``: the CA bundle of a TLS store (None: ``KVCODEC_STORE_CA_FILE``,
+    else the system CAs)."""
+    scheme = urlsplit(url).scheme
+    if not scheme:
+        raise ConfigError(f"store URL {url!r} has no scheme (use file://DIR)")
+    if scheme not in STORES:
+        raise ConfigError(f"store URL {url!r}: unknown scheme {scheme!r} (known: {', '.join(STORES.names())})")
+    if ca_file is not None and scheme in TLS_SCHEMES:
+        return STORES.get(scheme).from_url(url, ca_file=ca_file)
+    return STORES.get(scheme).from_url(url)

@@ -1,0 +1,432 @@
+"""Start and stop a real Triton Inference Server (the ``nvidia-pytriton`` wheel's binary) on
+our model repository, with the python backend.
+
+``TritonServer(repo, settings, ports).start()`` prepares a backend folder (the wheel's python
+backend plus the stub for this Python), sets ``LD_LIBRARY_PATH`` (the wheel's bundled libraries
+and this interpreter's ``libpython``), puts this venv's ``bin/`` first on ``PATH`` (the stub finds
+its interpreter through it), passes the ``KVCODEC_*`` settings through the environment, waits
+until the server is ready and every model is loaded, and raises with the log's tail if it is not.
+The server is a ``kvcodec_tools.procs.Process`` (its own session): ``stop()`` sends SIGTERM to the server,
+then SIGKILL to its process group after a grace period, and waits until nothing of the group is left.
+``start(append_log=True)`` after ``stop()`` starts it again on the same ports, its log appended to.
+
+``stubs()`` lists the server's python backend stubs (its children running
+``triton_python_backend_stub``), zombies included: Triton 2.51 neither reaps nor restarts a stub
+that died, so a watchdog (``kvcodec_tools.watchdog``) reads them to know when the server must restart.
+
+``tls`` (``GrpcTls``; ``kvcodec serve --grpc-tls-cert F --grpc-tls-key F [--grpc-tls-client-ca CA]``)
+serves gRPC over TLS, mutual with a client CA. Triton's administrative APIs (``RESTRICTED``: model control, shared memory, trace, logging) are
+restricted to callers that send the header ``kvcodec-admin`` with the server's ``admin_key``
+(``KVCODEC_ADMIN_KEY``, else random per server): inference, health and metadata stay open.
+
+``kvcodec serve`` (``register``, ``cmd_serve``) runs the server in the foreground: it refuses ports
+already in use, makes the engine's files ready, warns in one line of rungs without a fitted codec
+profile and of a store that does not answer, starts the server (one line naming the models that
+failed to load if it does not start), serves beside a watchdog (``--watchdog``), and on SIGINT or
+SIGTERM stops the watchdog, then the server.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import sys
+import sysconfig
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from kvcodec.errors import Unsupported
+from kvcodec.settings import Settings
+from kvcodec_tools.cli import DEFAULT_REPOSITORY, _settings, _store_down, common
+from kvcodec_tools.procs import Process
+
+MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
+# Triton's APIs that change or expose the server (load and unload models, shared memory, tracing,
+# log settings) answer only requests with the header ADMIN_HEADER: <admin key>; inference, health,
+# metadata, model config and statistics stay open. Checked on tritonserver 2.51 (403 without it).
+RESTRICTED = "model-repository,shared-memory,trace,logging"
+ADMIN_HEADER = "kvcodec-admin"
+STUB = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class Stub:
+    """One python backend stub process. A live stub runs as ``triton_python_backend_stub MODEL.py
+    REGION DEFAULT_SIZE GROWTH PARENT_PID BACKEND_DIR IPC_HANDLE INSTANCE_NAME RUNTIME``; a zombie
+    has no command line left (``model_path`` and ``instance`` are then "")."""
+    pid: int
+    state: str  # proc(5)'s state letter: R, S, D, ... ; Z for a zombie
+    model_path: str = ""
+    instance: str = ""
+
+    @property
+    def zombie(self) -> bool:
+        return self.state == "Z"
+
+    @property
+    def model(self) -> str:
+        """The model's name: the folder above the version folder of its ``model.py`` ("" if unknown)."""
+        parts = Path(self.model_path).parts
+        return parts[-3] if len(parts) >= 3 else ""
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+
+def _pytriton_root() -> Path:
+    """The wheel's ``pytriton/tritonserver`` folder; ``KVCODEC_TRITON_ROOT`` names another one laid
+    out the same way (``bin/``, ``backends/python/``, ``python_backend_stubs/``, the libraries in
+    ``../../nvidia_pytriton.libs``): the GPU run's unpacked carry (``tests/gpu/triton_carry.py``)."""
+    override = os.environ.get("KVCODEC_TRITON_ROOT")
+    if override:
+        root = Path(override)
+        if not (root / "bin" / "tritonserver").is_file():
+            raise Unsupported(f"KVCODEC_TRITON_ROOT={override}: no bin/tritonserver there")
+        return root
+    try:
+        import pytriton
+    except ImportError:
+        raise Unsupported("nvidia-pytriton is not installed (it carries the tritonserver binary)") from None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    if not (root / "bin" / "tritonserver").is_file():
+        raise Unsupported(f"no tritonserver binary under {root}")
+    return root
+
+
+def prepare_backends(target: Path) -> Path:
+    """A backend folder holding the python backend and the stub for this interpreter."""
+    root = _pytriton_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise Unsupported(f"no python backend stub for Python {version} in nvidia-pytriton")
+    python_dir = target / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for src in list((root / "backends" / "python").glob("*.*")) + [stub]:
+        dst = python_dir / src.name
+        if not dst.exists() or dst.stat().st_size != src.stat().st_size:
+            shutil.copy2(src, dst)
+    return target
+
+
+def _stat(pid: int) -> List[str]:
+    """``/proc/PID/stat`` as [comm, state, ppid, ...] (OSError if the process is gone)."""
+    head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
+    return [head.partition("(")[2], *rest.split()]
+
+
+def children(pid: int) -> List[int]:
+    """The PIDs whose parent is ``pid``, zombies included, from one pass over /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if int(_stat(int(name))[2]) == pid:
+                    out.append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return sorted(out)
+
+
+def read_stub(pid: int) -> Optional[Stub]:
+    """``pid`` as a ``Stub``, or None if it is gone or runs something else. A zombie is recognised
+    by its name (the kernel keeps the first 15 characters of the stub's name)."""
+    try:
+        comm, state = _stat(pid)[:2]
+        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except (OSError, ValueError):
+        return None
+    if argv and Path(argv[0]).name == STUB:
+        return Stub(pid, state, argv[1] if len(argv) > 1 else "", argv[8] if len(argv) > 8 else "")
+    if not argv and state == "Z" and comm == STUB[:15]:
+        return Stub(pid, state)
+    return None
+
+
+def stubs_of(pid: int) -> List[Stub]:
+    """The python backend stubs among ``pid``'s children, zombies included."""
+    return [stub for stub in map(read_stub, children(pid)) if stub is not None]
+
+
+@dataclass(frozen=True)
+class GrpcTls:
+    """TLS on the gRPC endpoint: the server's certificate and key (PEM); with ``client_ca``, mutual
+    TLS: only clients with a certificate that CA signed are served."""
+    cert: Path
+    key: Path
+    client_ca: Optional[Path] = None
+
+    def args(self) -> List[str]:
+        for path in (self.cert, self.key, self.client_ca):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"gRPC TLS: {path} is not a file")
+        out = ["--grpc-use-ssl=true", f"--grpc-server-cert={self.cert}", f"--grpc-server-key={self.key}"]
+        if self.client_ca is not None:
+            out += [f"--grpc-root-cert={self.client_ca}", "--grpc-use-ssl-mutual=true"]
+        return out
+
+
+class TritonServer:
+    def __init__(self, repo: Path, settings: Settings, ports: Ports = Ports(), log_path: Optional[Path] = None,
+                 host: str = "127.0.0.1", tls: Optional[GrpcTls] = None) -> None:
+        self.repo = Path(repo).resolve()
+        self.tls = tls
+        self.settings = settings
+        self.ports = ports
+        self.host = host
+        self.log_path = Path(log_path) if log_path else settings.home / "logs" / "tritonserver.log"
+        self.process: Optional[Process] = None
+        # Triton's administrative APIs answer only callers with this header's value (RESTRICTED)
+        self.admin_key = os.environ.get("KVCODEC_ADMIN_KEY") or secrets.token_hex(16)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process else None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports.grpc}"
+
+    def command(self) -> list:
+        root = _pytriton_root()
+        backends = prepare_backends(self.settings.home / "triton-backends")
+        return [
+            str(root / "bin" / "tritonserver"),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backends}",
+            f"--http-address={self.host}", f"--http-port={self.ports.http}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.ports.grpc}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.ports.metrics}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false",
+            "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
+            "--exit-timeout-secs=15", "--log-verbose=0",
+            f"--http-restricted-api={RESTRICTED}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED}:{ADMIN_HEADER}={self.admin_key}",
+            *(self.tls.args() if self.tls is not None else []),
+        ]
+
+    def environment(self) -> dict:
+        root = _pytriton_root()
+        env = dict(os.environ)
+        libs = [str(root.parent.parent / "nvidia_pytriton.libs"), str(sysconfig.get_config_var("LIBDIR"))]
+        if env.get("LD_LIBRARY_PATH"):
+            libs.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = ":".join(libs)
+        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+        env["PYTHONUNBUFFERED"] = "1"
+        # the stubs' embedded Python reads text files in the locale's encoding (it ignores
+        # PYTHONUTF8); under the C locale that is ASCII, and torch (imported by vLLM) reads UTF-8
+        if "UTF-8" not in (env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG") or "").upper():
+            env["LC_ALL"] = "C.UTF-8"
+        env.update(self.settings.environ())
+        return env
+
+    def start(self, timeout_s: float = 180.0, append_log: bool = False) -> "TritonServer":
+        """Start the server (its log truncated unless ``append_log``) and wait until it and every
+        model are ready: ``ServiceError`` (a RuntimeError) if it exits first, ``NotReady`` (a
+        TimeoutError; the server is stopped) after ``timeout_s``, each with the log's tail."""
+        self.process = Process("tritonserver", self.command(), self.log_path, env=self.environment(),
+                               append=append_log)
+        self.process.start().wait_ready(self.ready, timeout_s, [self.log_path], poll_s=0.5)
+        return self
+
+    def alive(self) -> bool:
+        """Whether the server process runs (it was started and has not exited)."""
+        return self.process is not None and self.process.alive()
+
+    @property
+    def returncode(self) -> Optional[int]:
+        """The server's exit code once it has exited; None while it runs or when never started."""
+        return self.process.returncode if self.process else None
+
+    def stubs(self) -> List[Stub]:
+        """The server's python backend stubs, zombies included ([] when it is not running)."""
+        return stubs_of(self.pid) if self.pid is not None else []
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                if r.status != 200:
+                    return False
+            for model in MODELS:
+                with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{model}/ready", timeout=2) as r:
+                    if r.status != 200:
+                        return False
+            return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def terminate(self) -> None:
+        """Ask the server to stop (SIGTERM) without waiting: safe inside a signal handler."""
+        if self.process is not None:
+            self.process.terminate()
+
+    def wait(self) -> int:
+        return self.process.wait() if self.process else 0
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the server (it stops its model stubs), SIGKILL to its process group after
+        ``grace_s``; returns once nothing of the group is left."""
+        process, self.process = self.process, None
+        if process is not None:
+            process.stop(grace_s)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- kvcodec serve: the server in the foreground --------------------------------------------------
+def cmd_serve(args) -> int:
+    from kvcodec import engines
+    from kvcodec_tools.ports import port_is_free
+
+    busy = [f"{port} (--{name}-port)" for name, port in (("http", args.http_port), ("grpc", args.grpc_port),
+                                                         ("metrics", args.metrics_port))
+            if not port_is_free(args.host, port)]
+    if busy:
+        print(f"kvcodec serve: port {', '.join(busy)} on {args.host} is in use (another kvcodec serve?): "
+              "stop what holds it or pass other ports", file=sys.stderr)
+        return 1
+    settings = _settings(args)
+    engines.prepare(settings)
+    _warn_unfitted(settings)
+    down = _store_down(settings)
+    if down:  # the server starts anyway: a store that comes back is used again
+        print(f"kvcodec serve: warning: {down}; requests prefill until the store answers", file=sys.stderr,
+              flush=True)
+    tls = None
+    if args.grpc_tls_cert or args.grpc_tls_key or args.grpc_tls_client_ca:
+        if not (args.grpc_tls_cert and args.grpc_tls_key):
+            print("kvcodec serve: gRPC TLS needs both --grpc-tls-cert and --grpc-tls-key", file=sys.stderr)
+            return 1
+        tls = GrpcTls(Path(args.grpc_tls_cert), Path(args.grpc_tls_key),
+                      Path(args.grpc_tls_client_ca) if args.grpc_tls_client_ca else None)
+    server = TritonServer(Path(args.model_repository), settings,
+                          Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host, tls=tls)
+    stopping, watching = [], []  # watching: non-empty while a watchdog runs (it may be restarting the server)
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+        if not watching:
+            server.terminate()  # the main thread's wait() returns, then stop() reaps everything
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start(timeout_s=args.timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        if stopping:
+            print("kvcodec serve: stopped before it was ready", flush=True)
+            return 0
+        print(f"kvcodec serve: {_start_failure(exc, server.log_path)}", file=sys.stderr)
+        return 1
+    # the watchdog takes the stubs it sees as the healthy set: before "ready", so that a stub that
+    # dies right after it is a fault, not a server it never knew
+    watchdog = _watchdog(server, watching, args.timeout) if args.watchdog else None
+    print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "
+          f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}"
+          f"{'; watchdog on' if args.watchdog else ''}", flush=True)
+    code = _serve_watched(server, watchdog, stopping) if watchdog is not None else server.wait()
+    server.stop()
+    print("kvcodec serve: stopped", flush=True)
+    return 0 if stopping else code
+
+
+def _start_failure(exc: Exception, log_path: Path) -> str:
+    """One line for a server that did not start: the models that failed to load, with the first
+    line of each one's error, from the log's model table (else the error's first line), then the log."""
+    try:
+        rows = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        rows = []
+    failed = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if row.startswith("|") and len(cells) >= 3 and cells[2].startswith("UNAVAILABLE"):
+            message = cells[2].split("\\n")[0][:300]  # a multi-line error is quoted on one row
+            failed.append(f"model {cells[0]}: {message}")
+    reason = "; ".join(dict.fromkeys(failed)) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    return f"tritonserver did not start: {reason} (log {log_path})"
+
+
+def _warn_unfitted(settings) -> None:
+    """One line if the ladder or the write-back rungs need a codec profile this model lacks: those
+    rungs are misses, and write-back at them fails, until ``kvcodec profile fit --model`` has run."""
+    from kvcodec.engines import model_card
+    from kvcodec.errors import ConfigError
+    from kvcodec.format.ladder import parse_ladder
+    from kvcodec.profiles import require_profiles
+
+    card = model_card(settings)
+    try:
+        for rungs in (settings.ladder, settings.writeback):
+            if rungs:
+                require_profiles(parse_ladder(list(rungs), card))
+    except ConfigError as exc:
+        print(f"kvcodec serve: warning: {exc}", file=sys.stderr, flush=True)
+
+
+def _watchdog(server, watching: list, start_timeout_s: float):
+    """A watchdog started on the ready server. Once ``watching`` is marked, the signal handler only
+    appends to ``stopping``: the watchdog may be restarting the server."""
+    import logging
+
+    from kvcodec_tools.watchdog import Watchdog
+
+    logging.basicConfig(format="kvcodec serve: %(message)s")
+    watching.append(True)
+    return Watchdog(server, start_timeout_s=start_timeout_s).start()
+
+
+def _serve_watched(server, watchdog, stopping: list) -> int:
+    """Serve beside the running watchdog until a signal (``stopping``) or until the watchdog gives up
+    (its exit code); on a signal this thread halts the watchdog first, then ends a start under way."""
+    while not stopping and watchdog.join(0.5):
+        pass
+    watchdog.halt()
+    while watchdog.running():
+        server.terminate()  # a start under way fails at once; the watchdog restarts nothing more
+        watchdog.join(0.5)
+    if watchdog.gave_up:
+        print(f"kvcodec serve: more than {watchdog.max_restarts} restarts within {watchdog.window_s:.0f} s; "
+              "stopped", file=sys.stderr)
+    return watchdog.exit_code or (0 if stopping else 1)  # 1 also when the watchdog itself failed
+
+
+def register(sub) -> None:
+    """``kvcodec serve`` under the CLI's subcommands ``sub``."""
+    p = sub.add_parser("serve", help="run tritonserver on the model repository in the foreground")
+    common(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.add_argument("--decoder", choices=["pyav", "nvdec", "auto"])
+    p.add_argument("--ladder", "--codecs", dest="ladder",
+                   help="comma list of rungs to fetch chunks from, in preference order (KVCODEC_LADDER)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
+    p.add_argument("--grpc-tls-cert", help="the gRPC endpoint's TLS certificate (PEM); with --grpc-tls-key")
+    p.add_argument("--grpc-tls-key", help="its private key (PEM)")
+    p.add_argument("--grpc-tls-client-ca", help="mutual TLS: serve only clients whose certificate this CA signed")
+    p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart the server when a python stub or the server dies (default on; at most 5 "
+                        "restarts in 300 s, then exit 1)")
+    p.set_defaults(func=cmd_serve)
