@@ -72,6 +72,7 @@ def standalone_half(session, sink=None):
     alone = object.__new__(vc.Standalone)
     alone.chunk_tokens, alone.reads, alone.sink, alone._reading = C, _Reads(session), sink, {}
     alone.counters = {"requests": 0, "local_tokens": 0, "remote_reads": 0}
+    alone.metrics = vc.vllm_metrics.ConnectorMetrics()
     half.standalone = alone
     return half, alone
 
@@ -94,6 +95,8 @@ def test_standalone_reads_nothing_for_a_prefix_vllm_already_holds():
     request = SimpleNamespace(request_id="cmpl-2-0", prompt_token_ids=list(range(600)))
     assert half.get_num_new_matched_tokens(request, 512) == (0, False)  # the local tier holds both chunks
     assert alone.reads.started == [] and alone.counters["local_tokens"] == 512
+    stats = half.get_kv_connector_stats()  # what vLLM carries to its /metrics
+    assert stats.data["counts"] == {"kvcodec_local_tokens_total": 512} and half.get_kv_connector_stats() is None
     half.request_finished(request, [])
 
 
