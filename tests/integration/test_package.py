@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +35,11 @@ def _run(*cmd, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
 def installed(tmp_path_factory) -> Path:
     """A fresh venv with the built wheel and its ``server`` extra; its ``bin``."""
     root = tmp_path_factory.mktemp("package")
-    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", REPO, "-w", root / "dist")
+    # built from a copy of the checkout: setuptools leaves a build/ folder beside the sources
+    source = root / "source"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", ".cache", "build", "dist", "__pycache__", "*.egg-info"))
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", source, "-w", root / "dist")
     (wheel,) = (root / "dist").glob("kvcodec-*.whl")
     # pip takes no extras in a constraints file: the tested pins without them
     pins = re.sub(r"\[[^\]]*\]", "", (REPO / "requirements.txt").read_text())
