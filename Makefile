@@ -152,6 +152,16 @@ soak: setup
 	$(VBIN)/kvcodec soak --engine vllm --clients 8 --duration-s 300 \
 		--json perf/results/reliability-vllm.json --plot perf/results/reliability-vllm.png
 
+# 30 minutes of chaos (perf/kvcodec_tools/chaos.py): 2 vLLM servers behind the balancer, 8 clients,
+# the nginx store killed, paused, its link trickling and stalling, its disk full, stubs and decoder
+# processes killed, at random overlapping moments; fails on a wrong or lost answer, a corrupt chunk
+# stored, an unhealed fault or growth: perf/results/chaos.json and chaos.png.
+.PHONY: chaos
+chaos: setup
+	$(MAKE) setup-vllm
+	$(VBIN)/kvcodec soak --chaos --servers 2 --clients 8 --duration-s 1800 \
+		--warmup-s 300 --window-s 300 --json perf/results/chaos.json --plot perf/results/chaos.png
+
 # Prepares and checks what tests/gpu/run.sh carries to a GPU machine (.gpu-carry/: the PyNvVideoCodec
 # wheel, a tiny model, chunks, a manifest; .gpu-carry-nvcomp/, the stage call's: nvCOMP's wheels and
 # the entropy chunks) and runs every check's CPU part; prints the two device calls.

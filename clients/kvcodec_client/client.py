@@ -67,7 +67,11 @@ class ClientError(RuntimeError):
         """A failure of the server (see the module's docstring), not a refusal of the request."""
         if self.status in RETRYABLE_GRPC or self.status in (CONNECTION, STREAM):
             return True
-        return self.status.isdigit() and int(self.status) >= 500
+        if self.status.isdigit() and int(self.status) >= 500:
+            return True
+        # Triton's HTTP endpoint answers 400 for a request whose python stub died mid-way: the
+        # message, not the status, says it is the server's failure
+        return any(p in self.message for p in SERVER_FAILURES)
 
 
 @dataclass

@@ -18,6 +18,7 @@ library.
     kvcodec bench load --engine vllm --bandwidth-mbps 100 --clients 1,4,8 --variants wait,stream,stream-sliced
     kvcodec repository --variant cpu|gpu|trtllm|trtllm-llmapi --out DIR [--gpus 0] [--store URL] [--ladder RUNGS]
     kvcodec soak     [--engine E] --clients 8 --duration-s 300 --protocols grpc,http [--json perf/results/reliability.json]
+    kvcodec soak --chaos [--servers 2 --chaos-store nginx|redis|redis-cluster|s3 --duration-s 1800] [--json perf/results/chaos.json]
     kvcodec store usage --store URL [--json];  kvcodec store gc --store URL --max-bytes N [--older-than D]
 
 Each command is registered by the module that runs it (``COMMANDS``, in the order of

@@ -1,7 +1,7 @@
 """The footprint of a process tree, from ``/proc`` (pure reads): for a root process and all its
 descendants (tritonserver and its python backend stubs), resident memory (sum of RSS), open file
-descriptors, live processes (and zombies), threads, and the python backend's shared memory: the
-size of the regions in ``/dev/shm`` that the live stubs name on their command line
+descriptors (and of those, sockets), live processes (and zombies), threads, and the python
+backend's shared memory: the size of the regions in ``/dev/shm`` that the live stubs name on their command line
 (``triton_python_backend_stub MODEL.py REGION ...``, the region prefix being
 ``triton_python_backend_shm_region_``); ``shm_machine_bytes`` adds every ``triton_python_backend``
 file of the machine (other servers' too: information only). ``sample_tree`` reads it all at once;
@@ -9,6 +9,7 @@ file of the machine (other servers' too: information only). ``sample_tree`` read
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class ProcInfo:
     threads: int
     fds: int
     argv: List[str]
+    sockets: int = 0  # of the fds, those that are sockets (connections and listeners)
 
 
 def _stat_fields(pid: int) -> List[str]:
@@ -58,12 +60,17 @@ def read_proc(pid: int) -> Optional[ProcInfo]:
         fields = _stat_fields(pid)
         argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
         try:
-            fds = len(os.listdir(f"/proc/{pid}/fd"))
+            names = os.listdir(f"/proc/{pid}/fd")
         except OSError:
-            fds = 0  # a zombie has none left to list
+            names = []  # a zombie has none left to list
+        sockets = 0
+        for name in names:
+            with contextlib.suppress(OSError):
+                sockets += os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:")
     except OSError:
         return None
-    return ProcInfo(pid, fields[0], int(fields[21]) * os.sysconf("SC_PAGE_SIZE"), int(fields[17]), fds, argv)
+    return ProcInfo(pid, fields[0], int(fields[21]) * os.sysconf("SC_PAGE_SIZE"), int(fields[17]), len(names), argv,
+                    sockets)
 
 
 def stub_regions(procs: Iterable[ProcInfo]) -> Dict[str, str]:
@@ -116,4 +123,5 @@ def sample_tree(root: int, shm_dir: Path = SHM_DIR) -> dict:
     machine, _, _ = shm_usage(shm_matching(SHM_MARK, shm_dir), shm_dir)
     return {"rss_bytes": sum(p.rss_bytes for p in live), "fds": sum(p.fds for p in live),
             "processes": len(live), "zombies": len(procs) - len(live), "threads": sum(p.threads for p in live),
+            "sockets": sum(p.sockets for p in live),
             "shm_bytes": size, "shm_allocated_bytes": allocated, "shm_regions": files, "shm_machine_bytes": machine}

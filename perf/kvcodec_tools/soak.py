@@ -399,16 +399,42 @@ def soak_config(args):
         raise SystemExit(f"kvcodec soak: {exc}") from None
 
 
+def chaos_config(args):
+    """The ``chaos.ChaosConfig`` of ``kvcodec soak --chaos``'s flags (exits with one line on a bad value)."""
+    from .chaos import ChaosConfig
+
+    try:
+        return ChaosConfig(servers=args.servers, clients=args.clients, duration_s=args.duration_s, store=args.chaos_store,
+                           faults=tuple(args.faults or ()), seed=args.seed, mean_gap_s=args.mean_gap_s,
+                           protocols=tuple(args.protocols), contexts=min(args.contexts, 2),
+                           context_tokens=args.context_tokens, max_tokens=args.max_tokens,
+                           threads=args.threads if args.threads is not None else 1, sample_s=args.sample_s,
+                           warmup_s=args.warmup_s, window_s=args.window_s, fallback_s=args.fallback_s,
+                           disk_mb=args.disk_mb)
+    except ValueError as exc:
+        raise SystemExit(f"kvcodec soak --chaos: {exc}") from None
+
+
 def cmd_soak(args) -> int:
-    return run_soak(_settings(args), Path(args.model_repository), soak_config(args), Path(args.json),
-                    Path(args.plot) if args.plot else None)
+    results = REPO_ROOT / "perf" / "results"
+    plot_path = Path(args.plot) if args.plot else None
+    if args.chaos:
+        from .chaos import default_engine, run_chaos
+
+        config = chaos_config(args)
+        if args.engine is None and not os.environ.get("KVCODEC_ENGINE"):
+            args.engine = default_engine()
+        return run_chaos(_settings(args), Path(args.model_repository), config,
+                         Path(args.json or results / "chaos.json"), plot_path)
+    return run_soak(_settings(args), Path(args.model_repository), soak_config(args),
+                    Path(args.json or results / "reliability.json"), plot_path)
 
 
 def register(sub) -> None:
     """``kvcodec soak`` under the CLI's subcommands ``sub``."""
     p = sub.add_parser("soak", help="concurrent clients for a while (gRPC and HTTP, reuse and prefill), every answer "
                                     "checked, the server's RSS, fds, shm and processes sampled; exits 1 on an "
-                                    "error or growth")
+                                    "error or growth; --chaos: with faults, several servers")
     common(p)
     p.add_argument("--clients", type=int, default=8, help="concurrent clients, shared out over the protocols")
     p.add_argument("--duration-s", type=float, default=300.0)
@@ -419,7 +445,22 @@ def register(sub) -> None:
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between footprint samples")
     p.add_argument("--warmup-s", type=float, default=30.0, help="the first window starts after this")
     p.add_argument("--window-s", type=float, default=60.0, help="growth: last window's median - first window's")
-    p.add_argument("--json", default=str(REPO_ROOT / "perf" / "results" / "reliability.json"))
+    p.add_argument("--json", default=None, help="the result (default perf/results/reliability.json, with --chaos "
+                                                 "perf/results/chaos.json)")
+    chaos = p.add_argument_group("chaos", "--chaos: several servers behind the balancer while the store, the link, "
+                                          "the stubs and the decoders fail at random moments (kvcodec_tools.chaos)")
+    chaos.add_argument("--chaos", action="store_true", help="inject faults under load (exits 1 on a wrong or lost "
+                                                            "answer, a corrupt chunk stored, an unhealed fault, growth)")
+    chaos.add_argument("--servers", type=int, default=2, help="tritonservers behind the balancer")
+    chaos.add_argument("--chaos-store", default="nginx", choices=("nginx", "redis", "redis-cluster", "s3"))
+    chaos.add_argument("--faults", type=_list(str), default=None,
+                       help="fault kinds (default: every one the store allows; disk-full only as root): store-kill, "
+                            "store-pause, trickle, stall, failover, disk-full, stub-kill, decoder-kill")
+    chaos.add_argument("--seed", type=int, default=0, help="the fault schedule's seed")
+    chaos.add_argument("--mean-gap-s", type=float, default=20.0, help="mean seconds between fault starts")
+    chaos.add_argument("--fallback-s", type=float, default=300.0,
+                       help="a client asks again after a server failure for up to this long (then the request is lost)")
+    chaos.add_argument("--disk-mb", type=int, default=512, help="the tmpfs under the nginx store (disk-full)")
     p.add_argument("--plot", default=None, help=PLOT_HELP)
     p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
     p.set_defaults(func=cmd_soak)

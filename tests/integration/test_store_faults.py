@@ -25,11 +25,11 @@ import pytest
 
 from kvcodec.serving.costs import CostModel
 from kvcodec_client import KVCodecClient
+from kvcodec_tools.fault_proxy import FaultProxy
 from kvcodec_tools.ports import free_ports
 from kvcodec_tools.services.nginx import NginxStore
 
 from .conftest import cli, metric_values, text_of
-from .fault_proxy import FaultProxy
 from .test_faults import QUESTION, own_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

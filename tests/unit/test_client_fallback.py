@@ -34,8 +34,13 @@ def serve(script: Script):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             script.reuse.append(body["reuse"])
             step = script.steps[min(len(script.reuse), len(script.steps)) - 1]
-            if isinstance(step, int):
+            if step == "stub400":  # what Triton's HTTP endpoint answers when a step's stub died mid-request
+                step = 400
+                payload = json.dumps({"error": "in ensemble 'kvcodec', Stub process 'kv_restore_0_0' is not "
+                                               "healthy."}).encode()
+            elif isinstance(step, int):
                 payload = json.dumps({"error": f"status {step}"}).encode()
+            if isinstance(step, int):
                 self.send_response(step)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
@@ -90,6 +95,15 @@ def test_a_refusal_is_never_asked_again(server):
     with pytest.raises(ClientError) as err:
         KVCodecClient(url, "http", timeout_s=10, fallback_s=30).generate([1], 2)
     assert err.value.status == "400" and not err.value.retryable and script.reuse == [True]
+
+
+def test_a_400_that_says_a_stub_died_is_a_server_failure(server):
+    """Triton's HTTP endpoint answers 400 when a python stub died under the request (seen in
+    ``kvcodec soak --chaos``): the message says it is the server's failure, so it is asked again."""
+    url, script = server("stub400", "ok")
+    result = KVCodecClient(url, "http", timeout_s=10, fallback_s=30).generate([1, 2, 3], 2, reuse=True)
+    assert result.tokens == [7, 8] and script.reuse == [True, False]
+    assert "is not healthy" in result.failures[0] and "400" in result.failures[0]
 
 
 def test_the_fallback_ends_at_its_deadline(server):

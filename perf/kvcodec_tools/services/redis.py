@@ -1,5 +1,5 @@
-"""redis-server as a chunk store: ``RedisServer`` (one node) and ``RedisCluster`` (N masters, no
-replicas). Password required, no persistence; config, logs and the cluster's node files live in a
+"""redis-server as a chunk store: ``RedisServer`` (one node) and ``RedisCluster`` (N masters,
+replicas optional). Password required, no persistence; config, logs and the cluster's node files live in a
 folder under ``root``. The password is handed to ``redis-cli`` through ``REDISCLI_AUTH``, never on a
 command line. ``tls=(cert, key, ca)`` (PEM files) makes a server that speaks only TLS on its port
 (``.url`` is ``rediss://``; clients are not asked for certificates); for a cluster, its nodes speak
@@ -7,7 +7,9 @@ TLS to clients and on the cluster bus (``.url`` is ``rediss+cluster://``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -47,7 +49,7 @@ tls-auth-clients no
 CLUSTER = """\
 cluster-enabled yes
 cluster-config-file {dir}/nodes.conf
-cluster-node-timeout 5000
+cluster-node-timeout {timeout_ms}
 cluster-port {bus_port}
 masterauth "{password}"
 """
@@ -107,16 +109,20 @@ class _Node:
         self.wrap, self.cluster_bus_port = wrap, cluster_bus_port
         self.process: Optional[Process] = None
 
-    def launch(self) -> None:
+    def launch(self, keep_cluster_config: bool = False, node_timeout_ms: int = 5000) -> None:
+        """Start redis-server; ``keep_cluster_config``: a cluster node restarted with its identity
+        (it rejoins its cluster: a failed-over master comes back as a replica)."""
         server = binary("redis-server", "redis-server")
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / "nodes.conf").unlink(missing_ok=True)
+        if not keep_cluster_config:
+            (self.folder / "nodes.conf").unlink(missing_ok=True)
         conf_text = CONF.format(host=self.host, port=self.port, password=self.password, dir=self.folder)
         if self.tls:
             cert, key, ca = self.tls
             conf_text += TLS.format(port=self.port, cert=cert, key=key, ca=ca)
         if self.cluster_bus_port is not None:
-            conf_text += CLUSTER.format(dir=self.folder, bus_port=self.cluster_bus_port, password=self.password)
+            conf_text += CLUSTER.format(dir=self.folder, bus_port=self.cluster_bus_port, password=self.password,
+                                        timeout_ms=int(node_timeout_ms))
             if self.tls:
                 conf_text += "tls-cluster yes\n"
         conf = self.folder / "redis.conf"
@@ -171,11 +177,14 @@ class RedisServer:
 
 class RedisCluster:
     """``nodes`` cluster-enabled masters on ``base_port``.. (bus ports ``bus_base_port``.., by default
-    ``base_port + 10000``..), joined with ``redis-cli --cluster create``: ``.url`` is
-    ``redis+cluster://:PASSWORD@HOST:P1,HOST:P2,...``."""
+    ``base_port + 10000``..), with ``replicas`` replicas each on the ports after them, joined with
+    ``redis-cli --cluster create``: ``.url`` is ``redis+cluster://:PASSWORD@HOST:P1,HOST:P2,...``
+    (every node). ``fail_master(rng)`` SIGKILLs a master (its replica takes over after
+    ``node_timeout_ms``); ``rejoin()`` starts it again with its node file: it comes back a replica."""
 
     def __init__(self, root: Path, host: str, base_port: int, password: str, nodes: int = 3, wrap: Wrap = None,
-                 bus_base_port: Optional[int] = None, tls: Optional[Tuple[Path, Path, Path]] = None) -> None:
+                 bus_base_port: Optional[int] = None, tls: Optional[Tuple[Path, Path, Path]] = None,
+                 replicas: int = 0, node_timeout_ms: int = 5000) -> None:
         _check_password(password)
         self.tls = tuple(Path(p).resolve() for p in tls) if tls else None
         self._tls_context = ssl.create_default_context(cafile=str(self.tls[2])) if self.tls else None
@@ -183,7 +192,9 @@ class RedisCluster:
             raise ServiceError(f"a redis cluster needs at least 3 masters, got nodes={nodes}")
         self.root, self.host, self.password, self.wrap = Path(root).resolve(), host, password, wrap
         bus = bus_base_port if bus_base_port is not None else base_port + 10000
-        self.ports = [int(base_port) + i for i in range(nodes)]
+        self.replicas, self.node_timeout_ms = int(replicas), int(node_timeout_ms)
+        self.ports = [int(base_port) + i for i in range(nodes * (1 + self.replicas))]
+        self._failed: Optional[_Node] = None
         self._nodes = [_Node(self.root / f"redis-cluster-{p}", host, p, password, wrap, bus + i, tls=self.tls)
                        for i, p in enumerate(self.ports)]
         self.url = (f"{'rediss' if self.tls else 'redis'}+cluster://:{quote(password, safe='')}@"
@@ -209,12 +220,12 @@ class RedisCluster:
         deadline = time.monotonic() + timeout_s
         try:
             for n in self._nodes:
-                n.launch()
+                n.launch(node_timeout_ms=self.node_timeout_ms)
             for n in self._nodes:
                 n.wait_ready(max(1.0, deadline - time.monotonic()))
             cli = binary("redis-cli", "redis-tools")
             cmd = [cli, *(["--tls", "--cacert", str(self.tls[2])] if self.tls else []),
-                   "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports), "--cluster-replicas", "0",
+                   "--cluster", "create", *(f"{self.host}:{p}" for p in self.ports), "--cluster-replicas", str(self.replicas),
                    "--cluster-yes"]
             cmd = list(self.wrap(cmd)) if self.wrap else cmd
             env = dict(os.environ, REDISCLI_AUTH=self.password)
@@ -246,6 +257,53 @@ class RedisCluster:
     def stop(self) -> None:
         for n in self._nodes:
             n.stop()
+
+    def masters(self) -> List[int]:
+        """The ports of the live nodes that are masters now (``CLUSTER NODES`` of a live node)."""
+        for n in self._nodes:
+            if n.process is None or not n.process.alive() or n is self._failed:
+                continue
+            try:
+                reply = _command(self.host, n.port, self.password, "CLUSTER", "NODES",
+                                 tls=self._tls_context).decode(errors="replace")
+            except OSError:
+                continue
+            out = []
+            for line in reply.splitlines():
+                fields = line.split()
+                if len(fields) > 2 and "master" in fields[2].split(",") and "fail" not in fields[2]:
+                    out.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+            return sorted(out)
+        return []
+
+    def fail_master(self, rng) -> str:
+        """SIGKILL one master (a random one); what it did, in words."""
+        if self._failed is not None:
+            raise ServiceError("a node is down already: rejoin() it first")
+        port = rng.choice(self.masters())
+        node = next(n for n in self._nodes if n.port == port)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.process.pid, signal.SIGKILL)
+        node.process.proc.wait(timeout=10)
+        self._failed = node
+        return f"master :{port} killed"
+
+    def rejoin(self, timeout_s: float = 30.0) -> None:
+        """Start the failed node again with its node file (it rejoins as a replica); wait until every
+        node says the cluster is ok."""
+        node, self._failed = self._failed, None
+        if node is None:
+            return
+        node.launch(keep_cluster_config=True, node_timeout_ms=self.node_timeout_ms)
+        node.wait_ready(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if all(self.info(p).get("cluster_state") == "ok" for p in self.ports):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
 
     def __enter__(self) -> "RedisCluster":
         return self.start()

@@ -1,4 +1,4 @@
-"""A TCP proxy in front of a real store that misbehaves on purpose, for the store-fault tests.
+"""A TCP proxy in front of a real store that misbehaves on purpose (the store-fault tests, ``kvcodec soak --chaos``).
 
 ``FaultProxy(upstream)`` listens on 127.0.0.1 (``.port``) and relays to ``upstream`` (host, port)
 on an asyncio loop of its own thread. ``set_mode(mode)`` says how connections accepted from then on
