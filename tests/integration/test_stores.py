@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -171,9 +172,8 @@ def test_put_creates_and_keeps_the_first_writers_value(store):
 
 @pytest.mark.timeout(60)
 def test_writers_racing_for_one_key(served):
-    """Eight writers create one key at once: where the server creates atomically (Redis SET NX, S3
-    If-None-Match) exactly one wins and its value is the one stored; nginx checks, then writes, so
-    more than one may win, but the stored value is always one writer's, whole."""
+    """Eight writers create one key at once: exactly one wins and its value is the one stored (Redis
+    SET NX, S3 If-None-Match, WebDAV a MKCOL claim: ``mkdir(2)`` on the server); the losers see False."""
     srv, store = served
     values = [bytes([65 + i]) * (256 << 10) for i in range(8)]
     gate = threading.Barrier(len(values))
@@ -196,9 +196,50 @@ def test_writers_racing_for_one_key(served):
     winners = [i for i, w in enumerate(won) if w]
     assert None not in won and winners, won
     assert stored in [values[i] for i in winners]
-    atomic = not isinstance(store, HttpStore) and getattr(store, "conditional", True)
-    if atomic:
-        assert len(winners) == 1, won
+    assert len(winners) == 1, won
+
+
+@pytest.mark.timeout(60)
+def test_a_webdav_create_is_claimed_before_it_is_written(nginx):
+    """The interleaving a check-then-write loses: writer A has claimed the key (MKCOL) but not yet
+    written it; writer B's create, though no chunk is there yet, is refused; A's write stores its
+    value; both then read A's. Without the claim (the PUT's own check alone) B would win too."""
+    a, b = HttpStore(nginx.url, token=TOKEN), HttpStore(nginx.url, token=TOKEN)
+    key = "race/claim/0123456789abcdef"
+    try:
+        a.delete(key)
+        assert a.claim(key) is True and not a.exists(key)
+        assert b.put(key, b"B" * 1000) is False and not b.exists(key)  # refused: A holds the claim
+        assert a.put(key, b"A" * 1000, overwrite=True) is True  # A's write (its claim is taken)
+        assert b.get(key) == a.get(key) == b"A" * 1000
+        assert b.put(key, b"B" * 1000) is False
+        a.delete(key)  # the claim goes with the chunk: the next writer creates it
+        assert b.put(key, b"B" * 1000) is True and a.get(key) == b"B" * 1000
+        assert [e.key for e in a.scan() if e.key.startswith("race/")] == [key]  # claims are not chunks
+    finally:
+        a.delete(key)
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_whose_writer_died_is_taken_over(nginx, monkeypatch):
+    """A writer that claimed a key and died before writing it: the claim is taken over once it is
+    ``CLAIM_STALE_S`` old, and the chunk is written."""
+    from kvcodec.store import http as http_store
+
+    a = HttpStore(nginx.url, token=TOKEN)
+    key = "race/stale/0123456789abcdef"
+    try:
+        a.delete(key)
+        assert a.claim(key) is True  # ... and this writer dies
+        assert a.put(key, b"x") is False  # fresh: someone is writing it
+        monkeypatch.setattr(http_store, "CLAIM_STALE_S", 0.0)
+        time.sleep(1.1)  # the listing's times are whole seconds
+        assert a.put(key, b"x") is True and a.get(key) == b"x"
+    finally:
+        a.delete(key)
+        a.close()
 
 
 @pytest.mark.timeout(60)

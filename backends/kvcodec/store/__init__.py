@@ -13,7 +13,8 @@ Redis and S3):
   there (a stored copy found corrupt). Atomic: a reader sees no value, the old one or the whole
   new one, never a torn one. Every backend creates the same way: the file store with a hard link
   (``link(2)`` fails on an existing name), memory under a lock, Redis ``SET NX``, S3 ``PutObject``
-  with ``If-None-Match: *``, HTTP ``PUT`` with ``If-None-Match: *`` (412: taken);
+  with ``If-None-Match: *``, HTTP a WebDAV ``MKCOL`` claim (``mkdir(2)``) then ``PUT`` with
+  ``If-None-Match: *`` (405 / 412: taken);
 - ``delete(key)``: remove if present;
 - ``close()``: release connections;
 - ``scan() -> Iterator[Entry]``: every stored chunk as ``Entry(key, size, time)``, ``time`` the

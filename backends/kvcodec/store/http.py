@@ -4,12 +4,16 @@ The object layout is the filesystem store's, so a ``file://`` folder served by a
 (``kvcodec_tools.services.nginx`` runs one with WebDAV PUT/DELETE) is a store. Requests:
 
 - ``get``: ``GET`` (200 -> bytes, 404 -> ``None``); ``get_range``: ``GET`` with ``Range`` (206);
-- ``exists``: ``HEAD``; ``put``: ``PUT`` with ``If-None-Match: *`` (a create: 412 -> False, the
-  stored value stays; ``overwrite`` sends no condition); the server writes a temporary file and
-  renames it, so readers see the old value or the whole new one. nginx's WebDAV module ignores the
-  header, so ``kvcodec_tools.services.nginx`` answers 412 itself for a PUT with it over an existing
-  file (checked, then written: two writers racing within one upload may both win, each value
-  whole); ``delete``: ``DELETE`` (404 is fine).
+- ``exists``: ``HEAD``; ``put``: a create, exactly one writer wins: first a *claim*, WebDAV
+  ``MKCOL`` of the folder ``<key>.claim/`` (``mkdir(2)`` on the server: atomic, so of writers racing
+  for one key exactly one gets 201; the others get 405 and return False), then the winner's ``PUT``
+  with ``If-None-Match: *`` (412 -> False: stored before claims were taken). A claim whose chunk
+  never came (its writer died in between) is taken over once it is ``CLAIM_STALE_S`` old. A server
+  without ``MKCOL`` (501, 403) gets the ``PUT`` alone: nginx's WebDAV module ignores the header,
+  so ``kvcodec_tools.services.nginx`` answers 412 itself over an existing file, which is checked,
+  then written (two writers within one upload may both win, each value whole). ``overwrite``
+  sends a plain ``PUT``. The server writes a temporary file and renames it, so readers see the old
+  value or the whole new one. ``delete``: ``DELETE`` of the chunk, then of its claim (404 is fine).
 
 Every request carries ``Authorization: Bearer <token>`` when a token is set: the ``token=``
 argument, else the environment variable ``KVCODEC_STORE_TOKEN``. A token in the URL is refused
@@ -50,6 +54,8 @@ from . import deadline as call_deadline
 
 TOKEN_ENV = "KVCODEC_STORE_TOKEN"
 SUFFIX = ".kvc"
+CLAIM = ".claim/"  # a key's claim folder: keys are [0-9a-z/_-], so no key's path ends in it
+CLAIM_STALE_S = 120.0  # a claim older than this with no chunk: its writer died; taken over
 _OPTIONS = ("timeout_s", "connect_timeout_s")
 _DAV = "{DAV:}"
 _DEPTH_1 = {"Depth": "1"}
@@ -166,6 +172,8 @@ class HttpStore(KVStore):
         return True
 
     def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+        if not overwrite and self.claim(key) is False:
+            return False  # another writer claimed this chunk first: it stores it
         headers = None if overwrite else {"If-None-Match": "*"}
         status, _, _ = self._request("PUT", key, body=bytes(data), headers=headers)
         if status == 412 and not overwrite:
@@ -173,10 +181,67 @@ class HttpStore(KVStore):
         self._expect(status, (200, 201, 204), "PUT", key)
         return True
 
+    def claim(self, key: str) -> Optional[bool]:
+        """The first half of a create: True when this writer now holds ``key``'s claim, False when
+        another does (or the chunk is stored), None when the server takes no ``MKCOL`` (then only the
+        conditional ``PUT`` guards the key)."""
+        path = self._claim_path(key)
+        for attempt in range(3):
+            status, _, _ = self._request("MKCOL", key, path=path)
+            if status == 201:
+                return True
+            if status == 409 and attempt == 0:  # a parent folder is missing: make them, then again
+                self._make_parents(key)
+                continue
+            if status == 405:  # the claim exists, or this server takes no MKCOL
+                if self.exists(key):
+                    return False
+                there, _, _ = self._request("HEAD", key, path=path)
+                if there == 404:
+                    return None  # no claim there: MKCOL is not allowed here
+                age = self._claim_age(key)
+                if age is None or age < CLAIM_STALE_S or attempt == 2:
+                    return False  # being written now (or just deleted): the other writer stores it
+                self._request("DELETE", key, path=path)  # its writer died before its PUT: take it over
+                continue
+            if status in (403, 501):
+                return None
+            self._expect(status, (201,), "MKCOL", key)
+        return False
+
     def delete(self, key: str) -> None:
         status, _, _ = self._request("DELETE", key)
         if status != 404:
             self._expect(status, (200, 202, 204), "DELETE", key)
+        status, _, _ = self._request("DELETE", key, path=self._claim_path(key))  # the next writer may claim it
+        if status not in (404, 405, 409, 501):
+            self._expect(status, (200, 202, 204), "DELETE claim", key)
+
+    def _claim_path(self, key: str) -> str:
+        return quote(f"{self.prefix}/{check_key(key)}{CLAIM}")
+
+    def _make_parents(self, key: str) -> None:
+        parts = check_key(key).split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            self._request("MKCOL", key, path=quote(f"{self.prefix}/{'/'.join(parts[:i])}/"))  # 405: there already
+
+    def _claim_age(self, key: str) -> Optional[float]:
+        """Seconds since ``key``'s claim was made, from its folder's listing (PROPFIND or nginx's
+        JSON); None when it cannot be told."""
+        from email.utils import parsedate_to_datetime
+
+        folder, _, leaf = check_key(key).rpartition("/")
+        name = leaf + CLAIM.rstrip("/")
+        status, _, body = self._request("GET", key, path=quote(f"{self.prefix}/{folder + '/' if folder else ''}"))
+        if status != 200:
+            return None
+        try:
+            for item in json.loads(body):
+                if item.get("name") == name and item.get("mtime"):
+                    return time.time() - parsedate_to_datetime(item["mtime"]).timestamp()
+        except (ValueError, TypeError, AttributeError):
+            return None
+        return None
 
     def scan(self) -> Iterator[Entry]:
         """WebDAV ``PROPFIND`` (``Depth: 1``, folder by folder); where the server does not take it
@@ -217,7 +282,8 @@ class HttpStore(KVStore):
                     if prop is None:
                         continue
                     if prop.find(f"{_DAV}resourcetype/{_DAV}collection") is not None:
-                        todo.append((name.rstrip("/") + "/", None))
+                        if not name.rstrip("/").endswith(CLAIM.rstrip("/")):  # a claim holds nothing
+                            todo.append((name.rstrip("/") + "/", None))
                     elif name.endswith(SUFFIX):
                         modified = prop.findtext(f"{_DAV}getlastmodified")
                         when = parsedate_to_datetime(modified).timestamp() if modified else 0.0
@@ -244,7 +310,8 @@ class HttpStore(KVStore):
             for item in items:
                 name = str(item.get("name", ""))
                 if item.get("type") == "directory":
-                    todo.append(f"{folder}{name}/")
+                    if not name.endswith(CLAIM.rstrip("/")):  # a claim holds nothing
+                        todo.append(f"{folder}{name}/")
                 elif name.endswith(SUFFIX):
                     when = parsedate_to_datetime(item["mtime"]).timestamp() if item.get("mtime") else 0.0
                     yield Entry(f"{folder}{name[:-len(SUFFIX)]}", int(item.get("size", 0)), when)

@@ -78,7 +78,7 @@ http {{
             if ($kv_create = "PUT:*:taken") {{
                 return 412;
             }}
-            dav_methods PUT DELETE MKCOL;
+            dav_methods PUT DELETE MKCOL;  # MKCOL: HttpStore.put claims a key first (mkdir: one writer wins)
             create_full_put_path on;
             dav_access user:rw group:r all:r;
             autoindex on;  # a folder's listing as JSON: HttpStore.scan (kvcodec store usage / gc)
