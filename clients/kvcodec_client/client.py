@@ -117,6 +117,11 @@ class _Collector:
     def result(self) -> GenerateResult:
         if self.ttft is None:
             raise ClientError("the server sent no token")
+        if self.stats and not self.stats.get("final", True):
+            # the last token's event carries the request's final stats: a stream that ended before it
+            # was cut (a server stopping mid-answer ends its HTTP streams cleanly): ask again
+            raise ClientError(f"the answer ended after {len(self.tokens)} token(s), before its last one "
+                              "(the server went away mid-answer)", STREAM)
         return GenerateResult(self.tokens, "".join(self.text), self.ttft, time.perf_counter() - self.t0,
                               self.reused, self.stats, prompt_tokens=self.prompt_tokens)
 

@@ -59,8 +59,9 @@ from .soak import QUESTION, context_ids, growth
 from .stats import percentile
 
 LADDER = ("raw", DECODED_RUNG)  # the servers': raw where stored, else the decoded rung
-# chaos moves connections and threads with the load and the faults: a few more at the end than at
-# the start is not a leak; RSS as the soak's rule, processes must not grow
+# how far the last window may rise above the earlier high-water mark (``high_water``): chaos moves
+# connections and threads with the load and the faults, so a few more is not a leak; RSS by less than
+# 5%, as the soak's rule; processes not at all
 LIMITS = {"rss_fraction": 0.05, "fds": 16, "sockets": 16, "threads": 8, "processes": 0}
 CHURN_S = 4.0
 
@@ -449,29 +450,55 @@ def _verify_store(store: ChaosStore, auth) -> Tuple[int, int, List[str]]:
 
 
 # -- the verdict ---------------------------------------------------------------------------------------
+def high_water(samples: Sequence[dict], warmup_s: float, window_s: float,
+               keys: Sequence[str]) -> Tuple[Dict[str, Optional[float]], Dict[str, Optional[float]]]:
+    """({key: the last window's median - the highest median of the earlier windows}, {key: that
+    highest median}): windows of ``window_s`` from ``warmup_s`` on, the last one the last ``window_s``
+    seconds. A leak climbs past every level the process tree reached before; a server restarted
+    mid-run warms up again to a level it had already reached, which a last-minus-first growth would
+    take for one. None for every key when the run is too short for an earlier window."""
+    if not samples:
+        return {k: None for k in keys}, {k: None for k in keys}
+    end = max(s["t_s"] for s in samples)
+    last = [s for s in samples if s["t_s"] > end - window_s]
+    earlier = []
+    t = warmup_s
+    while t + window_s <= end - window_s:
+        win = [s for s in samples if t <= s["t_s"] < t + window_s]
+        if win:
+            earlier.append(win)
+        t += window_s
+    if not last or not earlier:
+        return {k: None for k in keys}, {k: None for k in keys}
+    top = {k: max(statistics.median(s[k] for s in win) for win in earlier) for k in keys}
+    return {k: statistics.median(s[k] for s in last) - top[k] for k in keys}, top
+
+
 def resource_growth(samples: Sequence[dict], servers: int, warmup_s: float, window_s: float) -> Dict[int, dict]:
-    """Per server: growth of RSS, fds, sockets, threads and processes (``soak.growth``) over the
-    samples where the server was whole (ready, with its usual number of processes: not mid-restart),
-    whether it is flat (``LIMITS``) and why not."""
+    """Per server, over the samples where the server was whole (ready, with its usual number of
+    processes: not mid-restart): how far the last window's RSS, fds, sockets, threads and processes
+    are above their earlier high-water mark (``high_water``), the last-minus-first growth
+    (``soak.growth``, information), whether it is flat (``LIMITS``, on the high-water rise) and why not."""
     keys = ("rss_bytes", "fds", "sockets", "threads", "processes")
     out = {}
     for i in range(servers):
         mine = [s for s in samples if s["server"] == i and s.get("ready", True)]
         usual = statistics.mode(s["processes"] for s in mine) if mine else 0
         whole = [s for s in mine if s["processes"] == usual]
+        above, top = high_water(whole, warmup_s, window_s, keys)
         grown, base = growth(whole, warmup_s, window_s, keys)
         why = []
-        if any(v is None for v in grown.values()):
-            why.append("too short: no samples in the first or the last window")
+        if any(v is None for v in above.values()):
+            why.append("too short: no earlier window before the last one")
         else:
-            if grown["rss_bytes"] >= LIMITS["rss_fraction"] * max(base["rss_bytes"], 1):
-                why.append(f"RSS grew {grown['rss_bytes'] / 2**20:.1f} MiB "
-                           f"({100 * grown['rss_bytes'] / max(base['rss_bytes'], 1):.1f}%)")
+            if above["rss_bytes"] >= LIMITS["rss_fraction"] * max(top["rss_bytes"], 1):
+                why.append(f"RSS rose {above['rss_bytes'] / 2**20:.1f} MiB above its earlier high-water mark "
+                           f"({100 * above['rss_bytes'] / max(top['rss_bytes'], 1):.1f}%)")
             for k in ("fds", "sockets", "threads", "processes"):
-                if grown[k] > LIMITS[k]:
-                    why.append(f"{k} grew by {grown[k]:g} (> {LIMITS[k]})")
-        out[i] = {"growth": grown, "first_window_median": base, "usual_processes": usual,
-                  "samples_whole": len(whole), "flat": not why, "not_flat": why}
+                if above[k] > LIMITS[k]:
+                    why.append(f"{k} rose {above[k]:g} above its earlier high-water mark (> {LIMITS[k]})")
+        out[i] = {"above_high_water": above, "high_water": top, "growth": grown, "first_window_median": base,
+                  "usual_processes": usual, "samples_whole": len(whole), "flat": not why, "not_flat": why}
     return out
 
 

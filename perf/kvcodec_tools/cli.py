@@ -171,7 +171,7 @@ PLOT_HELP = "the plot (default: --json's path with .png; \"\": none)"
 def plot_beside_json(args) -> None:
     """``--plot`` left out: the plot goes beside ``--json`` (``x.json`` -> ``x.png``), so a run
     written elsewhere never replaces the committed plot of another."""
-    if getattr(args, "plot", "") is None and hasattr(args, "json"):
+    if getattr(args, "plot", "") is None and getattr(args, "json", None) is not None:
         args.plot = str(Path(args.json).with_suffix(".png"))
 
 

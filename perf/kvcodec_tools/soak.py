@@ -416,18 +416,16 @@ def chaos_config(args):
 
 
 def cmd_soak(args) -> int:
-    results = REPO_ROOT / "perf" / "results"
-    plot_path = Path(args.plot) if args.plot else None
+    json_path = Path(args.json or REPO_ROOT / "perf" / "results" / ("chaos.json" if args.chaos else "reliability.json"))
+    plot_path = json_path.with_suffix(".png") if args.plot is None else Path(args.plot) if args.plot else None
     if args.chaos:
         from .chaos import default_engine, run_chaos
 
         config = chaos_config(args)
         if args.engine is None and not os.environ.get("KVCODEC_ENGINE"):
             args.engine = default_engine()
-        return run_chaos(_settings(args), Path(args.model_repository), config,
-                         Path(args.json or results / "chaos.json"), plot_path)
-    return run_soak(_settings(args), Path(args.model_repository), soak_config(args),
-                    Path(args.json or results / "reliability.json"), plot_path)
+        return run_chaos(_settings(args), Path(args.model_repository), config, json_path, plot_path)
+    return run_soak(_settings(args), Path(args.model_repository), soak_config(args), json_path, plot_path)
 
 
 def register(sub) -> None:

@@ -13,7 +13,10 @@ import pytest
 
 from kvcodec_client.client import ClientError, KVCodecClient
 
-ANSWER = {"output_ids": [7, 8], "text_output": "ok", "reused_tokens": 0, "stats": json.dumps({"reason": "reuse off"})}
+ANSWER = {"output_ids": [7, 8], "text_output": "ok", "reused_tokens": 0,
+          "stats": json.dumps({"reason": "reuse off", "final": True})}
+# the first token's event of an answer whose stream is then cut (its stats are not the final ones)
+CUT = {"output_ids": [7], "text_output": "o", "reused_tokens": 0, "stats": json.dumps({"final": False})}
 
 
 class Script:
@@ -49,7 +52,8 @@ def serve(script: Script):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            event = {"error": "Stub process 'kv_decode_0_0' is not healthy."} if step == "event" else ANSWER
+            event = {"error": "Stub process 'kv_decode_0_0' is not healthy."} if step == "event" else \
+                CUT if step == "cut" else ANSWER
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -104,6 +108,19 @@ def test_a_400_that_says_a_stub_died_is_a_server_failure(server):
     result = KVCodecClient(url, "http", timeout_s=10, fallback_s=30).generate([1, 2, 3], 2, reuse=True)
     assert result.tokens == [7, 8] and script.reuse == [True, False]
     assert "is not healthy" in result.failures[0] and "400" in result.failures[0]
+
+
+def test_an_answer_cut_before_its_last_token_is_a_server_failure(server):
+    """A server stopped mid-answer (SIGTERM: the watchdog restarting it) ends its HTTP streams
+    cleanly; the answer so far is not the answer (seen in ``kvcodec soak --chaos``: 2 of 8 tokens).
+    The last token's event carries the final stats: without them the stream was cut."""
+    url, script = server("cut", "ok")
+    with pytest.raises(ClientError, match="ended after 1 token") as err:
+        KVCodecClient(url, "http", timeout_s=10).generate([1, 2, 3], 2)
+    assert err.value.retryable
+    url, script = server("cut", "ok")
+    result = KVCodecClient(url, "http", timeout_s=10, fallback_s=30).generate([1, 2, 3], 2, reuse=True)
+    assert result.tokens == [7, 8] and script.reuse == [True, False] and "ended after 1 token" in result.failures[0]
 
 
 def test_the_fallback_ends_at_its_deadline(server):
