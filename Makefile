@@ -88,10 +88,12 @@ test-vllm: setup-vllm
 	$(VBIN)/python -m pytest -q -m vllm tests
 
 # On Python 3.12: the unit suite, and the ensemble end to end (a real tritonserver running the
-# python backend's 3.12 stub: ingest, then reuse over gRPC and HTTP gives prefill's tokens).
+# python backend's 3.12 stub: ingest, then reuse over gRPC and HTTP gives prefill's tokens; and the
+# built wheel installed with its server extra into a fresh 3.12 venv, serving and reusing).
 test-312: setup-312
 	$(BIN312)/python -m pytest -q tests/unit
 	$(BIN312)/python -m pytest -q tests/integration/test_ensemble.py -k "reuse_gives_prefill_tokens"
+	$(BIN312)/python -m pytest -q tests/integration/test_package.py
 
 # The settings table of docs/deploy.md, generated from backends/kvcodec/settings.py
 # (perf/kvcodec_tools/settings_table.py; tests/unit/test_docs.py fails when it differs).
