@@ -7,8 +7,9 @@ The object layout is the filesystem store's, so a ``file://`` folder served by a
 - ``exists``: ``HEAD``; ``put``: a create, exactly one writer wins: first a *claim*, WebDAV
   ``MKCOL`` of the folder ``<key>.claim/`` (``mkdir(2)`` on the server: atomic, so of writers racing
   for one key exactly one gets 201; the others get 405 and return False), then the winner's ``PUT``
-  with ``If-None-Match: *`` (412 -> False: stored before claims were taken). A claim whose chunk
-  never came (its writer died in between) is taken over once it is ``CLAIM_STALE_S`` old. A server
+  with ``If-None-Match: *`` (412 -> False: stored before claims were taken). A write that fails
+  drops its claim; a claim whose chunk never came (its writer died in between) is taken over once
+  it is ``CLAIM_STALE_S`` old. A server
   without ``MKCOL`` (501, 403) gets the ``PUT`` alone: nginx's WebDAV module ignores the header,
   so ``kvcodec_tools.services.nginx`` answers 412 itself over an existing file, which is checked,
   then written (two writers within one upload may both win, each value whole). ``overwrite``
@@ -38,6 +39,7 @@ as ``kvcodec_tools.services.nginx`` serves it): name, size and modification time
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -172,14 +174,21 @@ class HttpStore(KVStore):
         return True
 
     def put(self, key: str, data: bytes, overwrite: bool = False) -> bool:
-        if not overwrite and self.claim(key) is False:
+        claimed = None if overwrite else self.claim(key)
+        if claimed is False:
             return False  # another writer claimed this chunk first: it stores it
         headers = None if overwrite else {"If-None-Match": "*"}
-        status, _, _ = self._request("PUT", key, body=bytes(data), headers=headers)
-        if status == 412 and not overwrite:
-            return False  # another writer stored this chunk first
-        self._expect(status, (200, 201, 204), "PUT", key)
-        return True
+        try:
+            status, _, _ = self._request("PUT", key, body=bytes(data), headers=headers)
+            if status == 412 and not overwrite:
+                return False  # another writer stored this chunk first
+            self._expect(status, (200, 201, 204), "PUT", key)
+            return True
+        except BaseException:
+            if claimed:  # the write failed (a full disk, the store gone): the next writer may try
+                with contextlib.suppress(Exception):
+                    self._request("DELETE", key, path=self._claim_path(key))
+            raise
 
     def claim(self, key: str) -> Optional[bool]:
         """The first half of a create: True when this writer now holds ``key``'s claim, False when
