@@ -163,6 +163,12 @@ class _RedisBase(KVStore):
                 raise StoreUnavailable(f"{self.kind} store {self.url}: {what} {key} failed: {exc}") from None
             raise StoreUnavailable(f"{self.kind} store {self.url} unreachable ({what} {key}): "
                                    f"{type(exc).__name__}: {exc}") from None
+        except ValueError as exc:
+            # redis-py reading a socket closed under the call (the breaker dropping connections while
+            # the store is down; seen in kvcodec soak --chaos): a failed call, not a bug to surface
+            if "closed file" not in str(exc):
+                raise
+            raise StoreUnavailable(f"{self.kind} store {self.url}: the connection closed under {what} {key}") from None
 
     def _k(self, key: str) -> str:
         return self.prefix + check_key(key)
