@@ -38,7 +38,7 @@ import statistics
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -124,6 +124,7 @@ class Prompts:
     churn: Dict[str, List[int]]  # name -> ids whose raw chunks the churn thread deletes (from chunk ``first``)
     churn_first: Dict[str, int]
     question_tokens: int
+    churn_keys: List[str] = field(default_factory=list)  # their raw chunks' keys (``with_churn_keys``)
 
     def of(self, kind: str) -> List[str]:
         return [n for n, k in self.kind.items() if k == kind]
@@ -205,6 +206,7 @@ def _serve_and_load(settings, repository: Path, config: ChaosConfig, store: Chao
     from .services.balancer import Balancer
 
     work = settings.home / "chaos"
+    prompts = with_churn_keys(settings, prompts)
     base = replace(settings, store=store.server_url, ladder=LADDER, writeback=("raw",), adaptive=True,
                    prefix_cache=False)
     servers = [TritonServer(repository, replace(base, home=work / f"server{i}"), Ports(*free_ports(3)),
@@ -227,7 +229,7 @@ def _serve_and_load(settings, repository: Path, config: ChaosConfig, store: Chao
               f"{config.clients} clients for {config.duration_s:g} s through the balancer ...", flush=True)
         rig = Rig(store, servers, watchdogs, random.Random(config.seed + 1))
         answers, records, samples, wall_s, churn_errors = (
-            _load(balancer, rig, prompts, references, plan, config, settings) if not ref_failures
+            _load(balancer, rig, prompts, references, plan, config) if not ref_failures
             else ([], [], [], 0.0, 0))
         corrupt, stored, verify_errors = _verify_store(store, auth)
         restarts = [w.restarts for w in watchdogs]
@@ -255,15 +257,20 @@ def _raw_keys(settings, ids: Sequence[int], rung: str = "raw") -> List[str]:
     return chunk_keys(ids, card.model_id, get_scheme(rung).for_card(card).identity, settings.chunk_tokens)
 
 
-def _churn(store_handle, settings, prompts: Prompts) -> int:
+def with_churn_keys(settings, prompts: Prompts) -> Prompts:
+    """``prompts`` with the keys of the raw chunks the churn deletes (computed once: model card, hashes)."""
+    keys = [key for name, ids in prompts.churn.items() for key in _raw_keys(settings, ids)[prompts.churn_first[name]:]]
+    return replace(prompts, churn_keys=keys)
+
+
+def _churn(store_handle, prompts: Prompts) -> int:
     """Delete the write-back and partial prompts' own chunks; the deletes that failed."""
     failed = 0
-    for name, ids in prompts.churn.items():
-        for key in _raw_keys(settings, ids)[prompts.churn_first[name]:]:
-            try:
-                store_handle.delete(key)
-            except Exception:  # noqa: BLE001 - the store may be down: that is the point
-                failed += 1
+    for key in prompts.churn_keys:
+        try:
+            store_handle.delete(key)
+        except Exception:  # noqa: BLE001 - the store may be down: that is the point
+            failed += 1
     return failed
 
 
@@ -285,7 +292,7 @@ def _references(servers, store: ChaosStore, prompts: Prompts, settings, config: 
     client = KVCodecClient(servers[0].grpc_url, "grpc", config.request_timeout_s)
     handle = open_store(store.direct_url)
     try:
-        _churn(handle, settings, prompts)
+        _churn(handle, prompts)
         for name, ids in prompts.ids.items():
             kind = prompts.kind[name]
             pre = client.generate(ids, config.max_tokens, reuse=False)
@@ -304,7 +311,7 @@ def _references(servers, store: ChaosStore, prompts: Prompts, settings, config: 
             kept = {k: handle.get(k) for k in keys}
             try:
                 for n in range(len(keys), 0, -1):  # n chunks stored: the answer at each reuse
-                    _churn(handle, settings, prompts)  # the raw copies the last ask wrote back
+                    _churn(handle, prompts)  # the raw copies the last ask wrote back
                     r = client.generate(ids, config.max_tokens, reuse=True)
                     refs[name, r.reused_tokens] = r.tokens
                     if n == len(keys):
@@ -316,7 +323,7 @@ def _references(servers, store: ChaosStore, prompts: Prompts, settings, config: 
                 for k, data in kept.items():
                     if data is not None:
                         handle.put(k, data)
-        _churn(handle, settings, prompts)
+        _churn(handle, prompts)
     finally:
         handle.close()
     print(f"references: {len(refs)} answers; prefill alone {min(alone.values()):.2f}-{max(alone.values()):.2f} s; "
@@ -324,7 +331,7 @@ def _references(servers, store: ChaosStore, prompts: Prompts, settings, config: 
     return refs, alone, full, failures
 
 
-def _load(balancer, rig: Rig, prompts: Prompts, references, plan: List[Fault], config: ChaosConfig, settings):
+def _load(balancer, rig: Rig, prompts: Prompts, references, plan: List[Fault], config: ChaosConfig):
     from kvcodec.store import open_store
     from kvcodec_client.client import ClientError, KVCodecClient
 
@@ -386,7 +393,7 @@ def _load(balancer, rig: Rig, prompts: Prompts, references, plan: List[Fault], c
         handle = open_store(rig.store.direct_url)
         try:
             while not done.wait(CHURN_S):
-                churn_errors[0] += _churn(handle, settings, prompts)
+                churn_errors[0] += _churn(handle, prompts)
         finally:
             handle.close()
 

@@ -85,7 +85,10 @@ class ChaosStore:
         elif self.kind == "redis":
             from .services.redis import RedisServer
 
-            self.service = RedisServer(self.root / "redis", "127.0.0.1", free_ports(1)[0], PASSWORD).start()
+            # persistent, as a Redis that holds ingested chunks is run: a kill must not empty it (the
+            # ingested rungs, which write-back does not write again, would be gone until re-ingested)
+            self.service = RedisServer(self.root / "redis", "127.0.0.1", free_ports(1)[0], PASSWORD,
+                                       persistent=True).start()
             upstream = self.service.port
             self.direct_url = self.service.url
         elif self.kind == "redis-cluster":

@@ -9,7 +9,8 @@ shaper) at each ``--bandwidth-mbps``. Methods (``--methods``):
 - ``lmcache`` / ``lmcache-fp8``: vLLM + LMCache in its multiprocess mode (``LMCacheMPConnector``,
   an ``lmcache server`` with Redis as its L2 through ``resp``; ``fp8``: its fp8 serde), from
   ``.venv-lmcache`` (``make setup-lmcache``);
-- ``kvcodec-vllm-serve`` (the adaptive ladder) and ``kvcodec-vllm-serve:RUNG`` (one static rung):
+- ``kvcodec-vllm-serve`` (the adaptive ladder) and ``kvcodec-vllm-serve:RUNG`` (one static rung,
+  measured with the first ``--clients`` count only: it shows what the ladder chooses between):
   vLLM's OpenAI server with ``KVCodecConnector`` (``docs/engines-and-models.md``), from ``.venv-vllm``;
 - ``kvcodec-ensemble`` (and ``:RUNG``): the Triton ensemble (a real tritonserver on the model
   repository) on the vLLM engine, over gRPC streaming (``KVCodecClient``).
@@ -369,14 +370,15 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
     url, password, address = store
     rows = []
     footprint = Footprint()
-    base, _ = method_parts(method)
+    base, rung = method_parts(method)
     if base != "prefill":  # a first server computes every prompt and stores its KV
         with method_server(method, model, work / "populate", url, address, password, config, True,
                            footprint) as server:
             for text in texts:
                 server.completion(text, 1)
             settle(address, password)  # write-back / LMCache's store to L2 finishes off the request's path
-    for clients in config.clients:
+    # a static rung's rows show what the ladder chooses between: one client (the first count) is enough
+    for clients in (config.clients[:1] if rung else config.clients):
         before = redis_info(address, password) if base != "prefill" else {}
         # vLLM's prefix cache on (the prompts share no block: nothing of them is local, which
         # ``local_hit_tokens`` shows); the ensemble's off (its steps would fetch regardless)

@@ -18,6 +18,7 @@ from kvcodec.store import open_store
 from kvcodec.store.fs import FileStore
 from kvcodec.store.http import HttpStore
 from kvcodec_tools.ports import free_port, free_port_run
+from kvcodec_tools.procs import alive
 from kvcodec_tools.services.nginx import NginxStore
 from kvcodec_tools.services.redis import RedisCluster, RedisServer
 from kvcodec_tools.services.seaweedfs import SeaweedS3
@@ -380,3 +381,26 @@ def test_a_server_that_goes_down_is_store_unavailable_then_back(kind, tmp_path):
         s.put(KEY, b"after", overwrite=True)  # nginx keeps its files over a restart
         assert s.get(KEY) == b"after"
     s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_killed_redis_keeps_its_chunks_only_when_persistent(persistent, tmp_path):
+    """SIGKILL, then a restart: an append-only Redis (``persistent``, the chaos store) still holds
+    what was written over a second before; a volatile one comes back empty."""
+    import signal
+
+    srv = RedisServer(tmp_path, "127.0.0.1", free_port(), PASSWORD, persistent=persistent).start()
+    try:
+        with open_store(srv.url) as s:
+            s.put(KEY, b"ingested")
+        time.sleep(1.5)  # appendfsync everysec
+        pid = srv.pid
+        os.killpg(pid, signal.SIGKILL)
+        while alive(pid):  # until the kill has landed (a zombie is not alive)
+            time.sleep(0.05)
+        srv.start()
+        with open_store(srv.url) as s:
+            assert s.get(KEY) == (b"ingested" if persistent else None)
+    finally:
+        srv.stop()

@@ -30,7 +30,8 @@ daemonize no
 supervised no
 requirepass "{password}"
 save ""
-appendonly no
+appendonly {appendonly}
+appendfsync everysec
 dir {dir}
 logfile {dir}/redis.log
 loglevel notice
@@ -102,8 +103,10 @@ def _ping(host: str, port: int, password: str, tls: Optional[ssl.SSLContext] = N
 
 class _Node:
     def __init__(self, folder: Path, host: str, port: int, password: str, wrap: Wrap,
-                 cluster_bus_port: Optional[int] = None, tls: Optional[Tuple[Path, Path, Path]] = None) -> None:
+                 cluster_bus_port: Optional[int] = None, tls: Optional[Tuple[Path, Path, Path]] = None,
+                 persistent: bool = False) -> None:
         self.folder, self.host, self.port, self.password = folder, host, int(port), password
+        self.persistent = persistent
         self.tls = tls
         self._tls_context = ssl.create_default_context(cafile=str(tls[2])) if tls else None
         self.wrap, self.cluster_bus_port = wrap, cluster_bus_port
@@ -116,7 +119,8 @@ class _Node:
         self.folder.mkdir(parents=True, exist_ok=True)
         if not keep_cluster_config:
             (self.folder / "nodes.conf").unlink(missing_ok=True)
-        conf_text = CONF.format(host=self.host, port=self.port, password=self.password, dir=self.folder)
+        conf_text = CONF.format(host=self.host, port=self.port, password=self.password, dir=self.folder,
+                                appendonly="yes" if self.persistent else "no")
         if self.tls:
             cert, key, ca = self.tls
             conf_text += TLS.format(port=self.port, cert=cert, key=key, ca=ca)
@@ -144,14 +148,17 @@ class _Node:
 
 
 class RedisServer:
-    """One redis-server: ``.url`` is ``redis://:PASSWORD@HOST:PORT/0``."""
+    """One redis-server: ``.url`` is ``redis://:PASSWORD@HOST:PORT/0``. ``persistent``: an
+    append-only file (fsync every second), so that a killed and restarted server keeps its chunks;
+    without it a restart empties the store."""
 
     def __init__(self, root: Path, host: str, port: int, password: str, wrap: Wrap = None,
-                 tls: Optional[Tuple[Path, Path, Path]] = None) -> None:
+                 tls: Optional[Tuple[Path, Path, Path]] = None, persistent: bool = False) -> None:
         _check_password(password)
         self.root, self.host, self.port, self.password = Path(root).resolve(), host, int(port), password
         tls = tuple(Path(p).resolve() for p in tls) if tls else None
-        self._node = _Node(self.root / f"redis-{self.port}", host, self.port, password, wrap, tls=tls)
+        self._node = _Node(self.root / f"redis-{self.port}", host, self.port, password, wrap, tls=tls,
+                           persistent=persistent)
         self.url = f"{'rediss' if tls else 'redis'}://:{quote(password, safe='')}@{host}:{self.port}/0"
 
     @property
