@@ -9,6 +9,9 @@ shaper) at each ``--bandwidth-mbps``. Methods (``--methods``):
 - ``lmcache`` / ``lmcache-fp8``: vLLM + LMCache in its multiprocess mode (``LMCacheMPConnector``,
   an ``lmcache server`` with Redis as its L2 through ``resp``; ``fp8``: its fp8 serde), from
   ``.venv-lmcache`` (``make setup-lmcache``);
+- ``lmcache-ram``: LMCache lossless with one ``lmcache server`` for the populating and the measuring
+  vLLM: a new vLLM reads the prefix from the server's RAM tier (L1), not across the link (LMCache's
+  local tier outliving a vLLM restart; not in the default methods);
 - ``kvcodec-vllm-serve`` (the adaptive ladder) and ``kvcodec-vllm-serve:RUNG`` (one static rung,
   measured with the first ``--clients`` count only: it shows what the ladder chooses between):
   vLLM's OpenAI server with ``KVCodecConnector`` (``docs/engines-and-models.md``), from ``.venv-vllm``;
@@ -53,7 +56,7 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 LMCACHE_VENV = REPO / ".venv-lmcache"
 RESULTS = REPO / "perf" / "results" / "peers.json"
-METHODS = ("prefill", "lmcache", "lmcache-fp8", "kvcodec-vllm-serve", "kvcodec-ensemble")
+METHODS = ("prefill", "lmcache", "lmcache-fp8", "lmcache-ram", "kvcodec-vllm-serve", "kvcodec-ensemble")
 KVCODEC = ("kvcodec-vllm-serve", "kvcodec-ensemble")
 SOURCES = ("argparse.py", "typing.py", "inspect.py", "pathlib.py", "ast.py", "enum.py", "subprocess.py", "tarfile.py")
 QUESTION = "\n\n# Question: what does the code above do?\n# Answer:"
@@ -68,7 +71,7 @@ class PeersConfig:
     context_tokens: int = 4096
     contexts: int = 4
     clients: List[int] = field(default_factory=lambda: [1, 4])
-    methods: List[str] = field(default_factory=lambda: list(METHODS))
+    methods: List[str] = field(default_factory=lambda: [m for m in METHODS if m != "lmcache-ram"])
     delay_ms: float = 1.0
     link_mode: str = "auto"
     chunk_tokens: int = 256
@@ -201,9 +204,10 @@ LOGPROBS_ARGS = ["--max-logprobs", "5000"]
 
 @contextlib.contextmanager
 def method_server(method: str, model: Path, root: Path, store_url: str, redis_host_port: Tuple[str, int],
-                  password: str, config: PeersConfig, prefix_cache: bool, footprint: Footprint) -> Iterator[object]:
-    """The method's server (and LMCache's server), ready: vLLM's OpenAI server, or the Triton
-    ensemble behind ``EnsembleServer``'s two calls."""
+                  password: str, config: PeersConfig, prefix_cache: bool, footprint: Footprint,
+                  lmcache: Optional[Tuple[int, int]] = None) -> Iterator[object]:
+    """The method's server (and LMCache's server, unless ``lmcache`` (its port, pid) is one already
+    running), ready: vLLM's OpenAI server, or the Triton ensemble behind ``EnsembleServer``'s two calls."""
     from kvcodec_tools.services.vllm_serve import VllmServe
 
     base, rung = method_parts(method)
@@ -231,7 +235,9 @@ def method_server(method: str, model: Path, root: Path, store_url: str, redis_ho
             footprint.watch("vllm", server.process.pid)
             yield server
         return
-    with lmcache_server(root, redis_host_port, password, fp8=base == "lmcache-fp8") as (lm_port, lm_pid):
+    running = contextlib.nullcontext(lmcache) if lmcache else lmcache_server(root, redis_host_port, password,
+                                                                              fp8=base == "lmcache-fp8")
+    with running as (lm_port, lm_pid):
         footprint.watch("lmcache-server", lm_pid)
         transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": lm_port}}
@@ -367,13 +373,27 @@ def gate_row(method: str, server, texts: List[str], reference: Reference) -> Opt
 
 def run_method(method: str, rate: float, model: Path, work: Path, texts: List[str], store: tuple,
                config: PeersConfig, reference: Reference, log=print) -> List[dict]:
+    _, password, address = store
+    footprint = Footprint()
+    base, _ = method_parts(method)
+    with contextlib.ExitStack() as stack:
+        shared = None
+        if base == "lmcache-ram":  # one LMCache server for the populating and the measuring vLLM
+            (work / "lmcache").mkdir(parents=True, exist_ok=True)
+            shared = stack.enter_context(lmcache_server(work / "lmcache", address, password, fp8=False))
+        return _populate_and_measure(method, rate, model, work, texts, store, config, reference, footprint,
+                                     shared, log)
+
+
+def _populate_and_measure(method: str, rate: float, model: Path, work: Path, texts: List[str], store: tuple,
+                          config: PeersConfig, reference: Reference, footprint: "Footprint",
+                          shared: Optional[Tuple[int, int]], log) -> List[dict]:
     url, password, address = store
     rows = []
-    footprint = Footprint()
     base, rung = method_parts(method)
     if base != "prefill":  # a first server computes every prompt and stores its KV
         with method_server(method, model, work / "populate", url, address, password, config, True,
-                           footprint) as server:
+                           footprint, shared) as server:
             for text in texts:
                 server.completion(text, 1)
             settle(address, password)  # write-back / LMCache's store to L2 finishes off the request's path
@@ -383,7 +403,7 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
         # vLLM's prefix cache on (the prompts share no block: nothing of them is local, which
         # ``local_hit_tokens`` shows); the ensemble's off (its steps would fetch regardless)
         with method_server(method, model, work / f"measure-{clients}", url, address, password, config,
-                           base != "kvcodec-ensemble", footprint) as server:
+                           base != "kvcodec-ensemble", footprint, shared) as server:
             server.completion("Hello", 1)  # the server's one-time costs, no stored chunk
             t0 = time.monotonic()
             answers = measure(server, texts, clients)
@@ -419,6 +439,7 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
 
 MODES = {"prefill": "vLLM multiprocess", "lmcache": "vLLM multiprocess (LMCacheMPConnector)",
          "lmcache-fp8": "vLLM multiprocess (LMCacheMPConnector)",
+         "lmcache-ram": "vLLM multiprocess (LMCacheMPConnector), one lmcache server for both vLLMs (its RAM tier)",
          "kvcodec-vllm-serve": "vLLM in the server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
          "kvcodec-ensemble": "vLLM in the llm step's python stub (Triton ensemble, gRPC streaming)"}
 
@@ -504,7 +525,7 @@ def register(sub) -> None:
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--contexts", type=int, default=4)
     p.add_argument("--clients", type=_list(int), default=[1, 4])
-    p.add_argument("--methods", type=_list(str), default=list(METHODS),
+    p.add_argument("--methods", type=_list(str), default=PeersConfig().methods,
                    help=f"{', '.join(METHODS)}; kvcodec-vllm-serve:RUNG for one static rung")
     p.add_argument("--delay-ms", type=float, default=1.0)
     p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")

@@ -17,7 +17,9 @@ def test_method_names():
     assert method_parts("lmcache-fp8") == ("lmcache-fp8", None)
     assert method_parts("kvcodec-vllm-serve:int8-zstd") == ("kvcodec-vllm-serve", "int8-zstd")
     assert method_parts("kvcodec-ensemble:raw") == ("kvcodec-ensemble", "raw")
-    for bad in ("lmcache:raw", "vllm", "prefill:raw"):
+    assert method_parts("lmcache-ram") == ("lmcache-ram", None)
+    assert "lmcache-ram" not in PeersConfig().methods  # asked for by name: a local tier, not the link
+    for bad in ("lmcache:raw", "vllm", "prefill:raw", "lmcache-ram:raw"):
         with pytest.raises(ValueError):
             method_parts(bad)
 
