@@ -52,6 +52,7 @@ from .chaos_plan import (
     check,
     mix,
     reuse_back,
+    reuse_not_back,
     schedule,
     ttft_bounds,
 )
@@ -522,6 +523,7 @@ def summarize(doc: dict, config: ChaosConfig) -> dict:
                           "p90_s": round(percentile(xs, 90), 3), "max_s": round(max(xs), 3)}
     res = resource_growth(doc["samples"], config.servers, config.warmup_s, config.window_s)
     faults = [r.to_json() for r in doc["faults"]]
+    not_back, unobserved = reuse_not_back(answers, faults)
     return {
         "duration_s": config.duration_s, "wall_s": round(doc["wall_s"], 1), "servers": config.servers,
         "clients": config.clients, "store": config.store, "requests": len(answers),
@@ -534,7 +536,7 @@ def summarize(doc: dict, config: ChaosConfig) -> dict:
         "ttft": ttft,
         "faults": faults,
         "faults_unhealed": sum(1 for f in faults if f["healed_s"] is None),
-        "faults_reuse_not_back": sum(1 for f in faults if f["reuse_back_s"] is None and f["healed_s"] is not None),
+        "faults_reuse_not_back": not_back, "faults_healed_after_the_load": unobserved,
         "restarts": doc["restarts"], "churn_delete_failures": doc["churn_errors"],
         "miss_reasons": dict(Counter(a.miss_reason.split(":")[0] for a in answers if a.miss_reason).most_common(12)),
         "bad_answers": [asdict(a) for a in answers if a.verdict in ("wrong", "lost")][:20],

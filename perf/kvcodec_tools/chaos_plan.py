@@ -185,3 +185,17 @@ def reuse_back(answers: Sequence[Answer], healed_s: Optional[float], full_tokens
     ends = [a.end_s for a in answers if a.kind == "reuse" and a.start_s >= healed_s and not a.error
             and a.reused_tokens >= full_tokens.get(a.prompt, 1)]
     return round(min(ends) - healed_s, 2) if ends else None
+
+
+def reuse_not_back(answers: Sequence[Answer], faults: Sequence[dict]) -> Tuple[int, int]:
+    """(healed faults after which a ``reuse`` request started but whole reuse never came back, healed
+    faults after which no ``reuse`` request started at all: healed as the load ended, not observed)."""
+    not_back = unobserved = 0
+    for f in faults:
+        if f["healed_s"] is None or f["reuse_back_s"] is not None:
+            continue
+        if any(a.kind == "reuse" and a.start_s >= f["healed_s"] for a in answers):
+            not_back += 1
+        else:
+            unobserved += 1
+    return not_back, unobserved

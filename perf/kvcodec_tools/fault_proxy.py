@@ -98,6 +98,8 @@ class FaultProxy:
             await asyncio.gather(self._pipe(reader, conn.upstream, "ok"), self._pipe(up_reader, writer, conn.mode))
         except (ConnectionError, OSError):
             pass
+        except asyncio.CancelledError:  # close(): the task ends normally (3.11's stream callback would
+            pass  # print the cancellation of every connection still open as an error)
         finally:
             self._conns.discard(conn)
             for w in (writer, conn.upstream):

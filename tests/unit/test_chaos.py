@@ -20,6 +20,7 @@ from kvcodec_tools.chaos_plan import (
     expected,
     mix,
     reuse_back,
+    reuse_not_back,
     schedule,
     ttft_bounds,
 )
@@ -112,6 +113,14 @@ def test_reuse_back_is_the_first_whole_reuse_after_the_heal():
     assert reuse_back(answers, 20.0, full) == pytest.approx(32.0 - 20.0)  # ends at 30 + 1 + 1
     assert reuse_back(answers, 31.0, full) is None
     assert reuse_back(answers, None, full) is None
+
+
+def test_a_fault_healed_after_the_last_reuse_request_is_not_counted_as_reuse_not_back():
+    answers = [answer("reuse", 10, 1.0, reused=0), answer("prefill", 40, 1.0)]
+    faults = [{"healed_s": 5.0, "reuse_back_s": None},  # a reuse request came after, reused nothing
+              {"healed_s": 30.0, "reuse_back_s": None},  # only a prefill after it: not observed
+              {"healed_s": 2.0, "reuse_back_s": 1.0}, {"healed_s": None, "reuse_back_s": None}]
+    assert reuse_not_back(answers, faults) == (1, 1)
 
 
 def sample(t, server, rss, fds=90, sockets=30, threads=200, processes=6, ready=True):
