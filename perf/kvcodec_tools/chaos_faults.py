@@ -144,6 +144,9 @@ class ChaosStore:
         return [self.service.pid] if self.service.pid else []
 
     def restart(self) -> None:
+        """Start the killed store again: stopped first, which reaps it (a start that still saw the
+        killed process alive would return without starting one)."""
+        self.service.stop()
         self.service.start(timeout_s=90) if self.kind == "s3" else self.service.start(timeout_s=30)
 
 
