@@ -530,8 +530,9 @@ def register(sub) -> None:
     p.add_argument("--delay-ms", type=float, default=1.0)
     p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
     p.add_argument("--json", default=str(RESULTS))
-    p.add_argument("--plot", default=None, help="the plot (default: --json's path with .png)")
+    p.add_argument("--plot", default=None, help="the plot (default: --json's path with .png; \"\": none)")
     p.add_argument("--work", default=str(REPO / ".cache" / "peers"))
     p.set_defaults(func=lambda a: run_peers(
         PeersConfig(a.bandwidth_mbps, a.context_tokens, a.contexts, a.clients, a.methods, a.delay_ms, a.link_mode),
-        Path(a.json), Path(a.plot) if a.plot else None, Path(a.work)))
+        Path(a.json), Path(a.json).with_suffix(".png") if a.plot is None else Path(a.plot) if a.plot else None,
+        Path(a.work)))
