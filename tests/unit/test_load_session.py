@@ -169,3 +169,24 @@ def test_torch_chunks_stay_torch_from_the_step_into_the_blocks():
     assert session.loaded and torch.equal(pages.read(list(range(4)), 0, 2 * C), full)
     with pytest.raises(ValueError, match="numpy array or a torch tensor"):
         LoadSession(C, 1).put(0, [[1.0]])
+
+
+def test_write_back_prices_every_rung_it_stores_for_the_adaptive_ladder(tmp_path):
+    """A rung that only write-back stores must be priced (size, decode time on this machine) before
+    any reader reads it: unpriced, it keeps the pessimistic prior and the ladder never picks it."""
+    from kvcodec.serving.costs import PRIOR_DECODE_S_PER_TOKEN, CostModel
+
+    store = open_store(f"file://{tmp_path / 'store'}")
+    costs = CostModel(tmp_path / "costs.json")
+    schemes = [get_scheme("raw"), get_scheme("int8-zstd")]
+    saver = ChunkSaver(store, "m", schemes, C, auth=ChunkAuth(b"k" * 32), observe=costs.observe_rung)
+    assert not any(costs.known(s.identity) for s in schemes)
+    ids = list(range(2 * C))
+    assert saver.save(saver.keys(ids, 0), 0, 0, kv(C, 5)).written == 2
+    for s in schemes:
+        assert costs.known(s.identity)
+        rung = costs.rung(s.identity)
+        assert 0 < rung.decode_s_per_token < PRIOR_DECODE_S_PER_TOKEN
+    raw, int8 = (costs.rung(s.identity).bytes_per_token for s in schemes)
+    assert int8 < raw  # the sizes as stored
+    assert CostModel(tmp_path / "costs.json").known(schemes[1].identity)  # shared through the home's file

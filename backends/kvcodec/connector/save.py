@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Generic, Hashable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, FrozenSet, Generic, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -83,9 +83,16 @@ class SaveTracker(Generic[R]):
 
 
 class ChunkSaver:
+    """Encodes a chunk at each rung and stores it. ``observe(identity, tokens, nbytes, decode_s)``, when
+    given (the cost model's ``observe_rung``), hears each rung's size and its decode time on this
+    machine (the encoder decodes its own output once): a rung stored by write-back is priced before
+    any reader has read it, so the adaptive ladder can choose it."""
+
     def __init__(self, store: KVStore, model_id: str, schemes: Sequence[Scheme], chunk_tokens: int, *,
-                 auth: ChunkAuth, threads: int = 1) -> None:
+                 auth: ChunkAuth, threads: int = 1,
+                 observe: Optional[Callable[[str, int, int, float], None]] = None) -> None:
         self.store = store
+        self.observe = observe
         self.model_id = model_id
         self.schemes = list(schemes)
         self.chunk_tokens = chunk_tokens
@@ -122,7 +129,12 @@ class ChunkSaver:
             if key not in replace and self.store.exists(key):
                 saved.present += 1
                 continue
-            data, encode_s, _ = self.encode(scheme, kv, key, index, start)
+            data, encode_s, decode_s = self.encode(scheme, kv, key, index, start)
+            if self.observe is not None:
+                try:
+                    self.observe(scheme.identity, self.chunk_tokens, len(data), decode_s)
+                except Exception as exc:  # noqa: BLE001 - a cost model that cannot be written never fails a write
+                    log.warning("write-back: could not record %s's cost: %s", rung_name(scheme), exc)
             if self.store.put(key, data, overwrite=key in replace):
                 saved.written += 1
                 log.info("write-back: chunk %d at %s (%d bytes) in %.2f s", index, rung_name(scheme), len(data),

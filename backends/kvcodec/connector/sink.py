@@ -121,8 +121,9 @@ class WriteBackSink:
 
 
 def open_sink(store, card, rungs: Sequence[str], chunk_tokens: int, auth, max_pending: int = 8,
-              corrupt: Optional[KeySet] = None, name: str = "kv-writeback") -> Optional[WriteBackSink]:
-    """A sink storing at ``rungs`` (ladder specs) into ``store`` (a URL, opened and owned, or a store)."""
+              corrupt: Optional[KeySet] = None, name: str = "kv-writeback", costs=None) -> Optional[WriteBackSink]:
+    """A sink storing at ``rungs`` (ladder specs) into ``store`` (a URL, opened and owned, or a store);
+    ``costs`` (a ``serving.costs.CostModel``) learns each rung's size and decode time from it."""
     if not rungs:
         return None
     from ..format.ladder import parse_ladder
@@ -130,15 +131,17 @@ def open_sink(store, card, rungs: Sequence[str], chunk_tokens: int, auth, max_pe
 
     owns = isinstance(store, str)
     store = open_store(store) if owns else store
-    saver = ChunkSaver(store, card.model_id, parse_ladder(list(rungs), card), chunk_tokens, auth=auth)
+    saver = ChunkSaver(store, card.model_id, parse_ladder(list(rungs), card), chunk_tokens, auth=auth,
+                       observe=costs.observe_rung if costs is not None else None)
     return WriteBackSink(saver, max_pending=max_pending, owns_store=owns, corrupt=corrupt, name=name)
 
 
 def sink_for_settings(settings, card) -> Optional[WriteBackSink]:
     """The write-back sink an engine serving ``settings`` uses (``writeback`` rungs; None when off)."""
     from ..format.auth import auth_for
+    from ..serving.costs import for_settings
 
     if not settings.writeback:
         return None
     return open_sink(settings.store, card, settings.writeback, settings.chunk_tokens, auth_for(settings),
-                     max_pending=settings.writeback_pending)
+                     max_pending=settings.writeback_pending, costs=for_settings(settings, 0.0))
