@@ -373,67 +373,56 @@ def gate_row(method: str, server, texts: List[str], reference: Reference) -> Opt
 
 def run_method(method: str, rate: float, model: Path, work: Path, texts: List[str], store: tuple,
                config: PeersConfig, reference: Reference, log=print) -> List[dict]:
-    _, password, address = store
-    footprint = Footprint()
-    base, _ = method_parts(method)
-    with contextlib.ExitStack() as stack:
-        shared = None
-        if base == "lmcache-ram":  # one LMCache server for the populating and the measuring vLLM
-            (work / "lmcache").mkdir(parents=True, exist_ok=True)
-            shared = stack.enter_context(lmcache_server(work / "lmcache", address, password, fp8=False))
-        return _populate_and_measure(method, rate, model, work, texts, store, config, reference, footprint,
-                                     shared, log)
-
-
-def _populate_and_measure(method: str, rate: float, model: Path, work: Path, texts: List[str], store: tuple,
-                          config: PeersConfig, reference: Reference, footprint: "Footprint",
-                          shared: Optional[Tuple[int, int]], log) -> List[dict]:
     url, password, address = store
     rows = []
+    footprint = Footprint()
     base, rung = method_parts(method)
-    if base != "prefill":  # a first server computes every prompt and stores its KV
-        with method_server(method, model, work / "populate", url, address, password, config, True,
-                           footprint, shared) as server:
-            for text in texts:
-                server.completion(text, 1)
-            settle(address, password)  # write-back / LMCache's store to L2 finishes off the request's path
-    # a static rung's rows show what the ladder chooses between: one client (the first count) is enough
-    for clients in (config.clients[:1] if rung else config.clients):
-        before = redis_info(address, password) if base != "prefill" else {}
-        # vLLM's prefix cache on (the prompts share no block: nothing of them is local, which
-        # ``local_hit_tokens`` shows); the ensemble's off (its steps would fetch regardless)
-        with method_server(method, model, work / f"measure-{clients}", url, address, password, config,
-                           base != "kvcodec-ensemble", footprint, shared) as server:
-            server.completion("Hello", 1)  # the server's one-time costs, no stored chunk
-            t0 = time.monotonic()
-            answers = measure(server, texts, clients)
-            footprint.sample()
-            wall = time.monotonic() - t0
-            after = redis_info(address, password) if base != "prefill" else {}
-            local = (sum(a.get("local_tokens") or 0 for a in answers) if base == "kvcodec-ensemble"
-                     else server.metrics().get("vllm:prefix_cache_hits_total"))
-            # LMCache's serde is the same at every rate, and its server reads the whole prefix from
-            # Redis for each of the gate's requests (vLLM holds it): its gate at the fastest rate only
-            gated = clients == config.clients[0] and (not base.startswith("lmcache") or rate == max(config.bandwidths))
-            gate = gate_row(method, server, texts, reference) if gated else None
-        sent = after.get("total_net_output_bytes", 0) - before.get("total_net_output_bytes", 0)
-        reused = sum((config.context_tokens // config.chunk_tokens) * config.chunk_tokens for _ in texts)
-        ttfts = [a["ttft_s"] for a in answers]
-        if base == "prefill" and clients == config.clients[0]:
-            reference.answers.update({t: a["text"] for t, a in zip(texts, answers, strict=True)})
-        match = ([reference.answers.get(t) == a["text"] for t, a in zip(texts, answers, strict=True)]
-                 if reference.answers else [])
-        row = {"method": method, "bandwidth_mbps": rate, "clients": clients, "context_tokens": config.context_tokens,
-               **summarize(ttfts), "ttfts_s": [round(x, 4) for x in ttfts],
-               "bytes_per_token": round(sent / reused, 1) if base != "prefill" and reused else None,
-               "tokens_match": all(match) if match else None, "tokens_matched": sum(match) if match else None,
-               "cached_tokens": [a.get("cached_tokens") for a in answers], "local_hit_tokens": local,
-               "gate": gate, "wall_s": round(wall, 2), "mode": MODES[base], "processes": footprint.report()}
-        log(f"  {method} @ {rate:g} Mbit/s, {clients} client(s): TTFT p50 {row['ttft_p50_s']:.3f} s, "
-            f"p90 {row['ttft_p90_s']:.3f} s; bytes/token {row['bytes_per_token']}; tokens match {row['tokens_match']}"
-            + (f"; gate mean KL {gate['mean_kl']}, top-1 {gate['top1_agreement']}, passes {gate['passes']}"
-               if gate else ""))
-        rows.append(row)
+    # lmcache-ram: one LMCache server for the populating and the measuring vLLM (its RAM tier)
+    with (lmcache_server(work / "lmcache", address, password, fp8=False) if base == "lmcache-ram"
+          else contextlib.nullcontext()) as shared:
+        if base != "prefill":  # a first server computes every prompt and stores its KV
+            with method_server(method, model, work / "populate", url, address, password, config, True,
+                               footprint, shared) as server:
+                for text in texts:
+                    server.completion(text, 1)
+                settle(address, password)  # write-back / LMCache's store to L2 finishes off the request's path
+        # a static rung's rows show what the ladder chooses between: one client (the first count) is enough
+        for clients in (config.clients[:1] if rung else config.clients):
+            before = redis_info(address, password) if base != "prefill" else {}
+            # vLLM's prefix cache on (the prompts share no block: nothing of them is local, which
+            # ``local_hit_tokens`` shows); the ensemble's off (its steps would fetch regardless)
+            with method_server(method, model, work / f"measure-{clients}", url, address, password, config,
+                               base != "kvcodec-ensemble", footprint, shared) as server:
+                server.completion("Hello", 1)  # the server's one-time costs, no stored chunk
+                t0 = time.monotonic()
+                answers = measure(server, texts, clients)
+                footprint.sample()
+                wall = time.monotonic() - t0
+                after = redis_info(address, password) if base != "prefill" else {}
+                local = (sum(a.get("local_tokens") or 0 for a in answers) if base == "kvcodec-ensemble"
+                         else server.metrics().get("vllm:prefix_cache_hits_total"))
+                # LMCache's serde is the same at every rate, and its server reads the whole prefix from
+                # Redis for each of the gate's requests (vLLM holds it): its gate at the fastest rate only
+                gated = clients == config.clients[0] and (not base.startswith("lmcache") or rate == max(config.bandwidths))
+                gate = gate_row(method, server, texts, reference) if gated else None
+            sent = after.get("total_net_output_bytes", 0) - before.get("total_net_output_bytes", 0)
+            reused = sum((config.context_tokens // config.chunk_tokens) * config.chunk_tokens for _ in texts)
+            ttfts = [a["ttft_s"] for a in answers]
+            if base == "prefill" and clients == config.clients[0]:
+                reference.answers.update({t: a["text"] for t, a in zip(texts, answers, strict=True)})
+            match = ([reference.answers.get(t) == a["text"] for t, a in zip(texts, answers, strict=True)]
+                     if reference.answers else [])
+            row = {"method": method, "bandwidth_mbps": rate, "clients": clients, "context_tokens": config.context_tokens,
+                   **summarize(ttfts), "ttfts_s": [round(x, 4) for x in ttfts],
+                   "bytes_per_token": round(sent / reused, 1) if base != "prefill" and reused else None,
+                   "tokens_match": all(match) if match else None, "tokens_matched": sum(match) if match else None,
+                   "cached_tokens": [a.get("cached_tokens") for a in answers], "local_hit_tokens": local,
+                   "gate": gate, "wall_s": round(wall, 2), "mode": MODES[base], "processes": footprint.report()}
+            log(f"  {method} @ {rate:g} Mbit/s, {clients} client(s): TTFT p50 {row['ttft_p50_s']:.3f} s, "
+                f"p90 {row['ttft_p90_s']:.3f} s; bytes/token {row['bytes_per_token']}; tokens match {row['tokens_match']}"
+                + (f"; gate mean KL {gate['mean_kl']}, top-1 {gate['top1_agreement']}, passes {gate['passes']}"
+                   if gate else ""))
+            rows.append(row)
     return rows
 
 
