@@ -35,7 +35,10 @@ rows at the fastest rate only: its serde does not change with the rate, and its 
 whole prefix from Redis again for each of the gate's requests).
 Rows (``perf/results/peers.json``, ``"rows"``): ``method``, ``bandwidth_mbps``, ``clients``,
 ``context_tokens``, ``ttft_p50_s``, ``ttft_p90_s``, ``bytes_per_token``, ``tokens_match``, ``gate``,
-``local_hit_tokens``, ``mode`` (vLLM's process mode), ``processes``; and a plot.
+``local_hit_tokens``, ``mode`` (vLLM's process mode), ``processes``; KVCodec's ``vllm serve`` rows
+also ``rungs`` (chunks read per rung, from its ``/metrics``) and ``costs`` (what its cost model held
+after the row, per 256-token chunk: bytes, decode and restore seconds per rung, the link's rate:
+the adaptive ladder's inputs, beside what it chose); and a plot.
 """
 from __future__ import annotations
 
@@ -422,8 +425,38 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
                 f"p90 {row['ttft_p90_s']:.3f} s; bytes/token {row['bytes_per_token']}; tokens match {row['tokens_match']}"
                 + (f"; gate mean KL {gate['mean_kl']}, top-1 {gate['top1_agreement']}, passes {gate['passes']}"
                    if gate else ""))
+            if base == "kvcodec-vllm-serve":
+                row.update(rungs=rung_chunks(server.metrics_text()), costs=cost_summary(
+                    work / "home" / "costs.json", config.chunk_tokens))
             rows.append(row)
     return rows
+
+
+def rung_chunks(metrics_text: str) -> Dict[str, int]:
+    """Chunks read per rung (``kvcodec_rung_chunks_total``'s ``rung`` label) in Prometheus text."""
+    out: Dict[str, int] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("kvcodec_rung_chunks_total{") and 'rung="' in line:
+            rung = line.split('rung="', 1)[1].split('"', 1)[0]
+            out[rung] = out.get(rung, 0) + int(float(line.rpartition(" ")[2]))
+    return out
+
+
+def cost_summary(path: Path, chunk_tokens: int) -> Optional[dict]:
+    """The cost model's inputs in ``path`` per chunk of ``chunk_tokens``: per rung (named as the ladder
+    names it) MB, decode and restore seconds; per link MB/s; None when there is no file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    rungs = {}
+    for identity, r in data.get("rungs", {}).items():
+        rungs[identity.split("/", 1)[0]] = {
+            "mb": round(r.get("bytes_per_token", 0) * chunk_tokens / 1e6, 3),
+            "decode_s": round(r.get("decode_s_per_token", 0) * chunk_tokens, 4),
+            "restore_s": round(r.get("restore_s_per_token", 0) * chunk_tokens, 4)}
+    links = [round(1e-6 / link["s_per_byte"], 1) for link in data.get("links", {}).values() if link.get("s_per_byte")]
+    return {"per_chunk": rungs, "link_mb_per_s": links}
 
 
 MODES = {"prefill": "vLLM multiprocess", "lmcache": "vLLM multiprocess (LMCacheMPConnector)",

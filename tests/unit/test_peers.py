@@ -8,7 +8,8 @@ import pytest
 
 from kvcodec.engines.gguf import ensure_model
 from kvcodec.engines.tokenizer import Tokenizer
-from kvcodec_tools.peers import QUESTION, PeersConfig, method_parts, prompts, summarize
+from kvcodec.serving.costs import CostModel
+from kvcodec_tools.peers import QUESTION, PeersConfig, cost_summary, method_parts, prompts, rung_chunks, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,6 +23,21 @@ def test_method_names():
     for bad in ("lmcache:raw", "vllm", "prefill:raw", "lmcache-ram:raw"):
         with pytest.raises(ValueError):
             method_parts(bad)
+
+
+def test_rows_say_which_rungs_were_read_and_what_the_cost_model_held(tmp_path):
+    text = ('# HELP kvcodec_rung_chunks_total Chunks reused, by rung\n'
+            'kvcodec_rung_chunks_total{engine="0",model_name="m",rung="kvtc-w"} 12.0\n'
+            'kvcodec_rung_chunks_total{engine="0",model_name="m",rung="int8-zstd"} 4.0\n'
+            'kvcodec_rung_bytes_total{engine="0",model_name="m",rung="kvtc-w"} 9e6\n')
+    assert rung_chunks(text) == {"kvtc-w": 12, "int8-zstd": 4}
+    costs = CostModel(tmp_path / "costs.json")
+    costs.observe_rung("int8-zstd/v1/q8/zstd{}", 256, nbytes=2_560_000, decode_s=0.01, restore_s=0.03)
+    costs.observe_transfer("redis://x", 10_000_000, 0.05)
+    s = cost_summary(tmp_path / "costs.json", 256)
+    assert s["per_chunk"] == {"int8-zstd": {"mb": 2.56, "decode_s": 0.01, "restore_s": 0.03}}
+    assert s["link_mb_per_s"] == [200.0]
+    assert cost_summary(tmp_path / "absent.json", 256) is None
 
 
 def test_summary_percentiles():
