@@ -9,6 +9,8 @@ name the field and the value.
 |---------------|------------------------|-----------------------------------------|
 | home          | KVCODEC_HOME           | ``./.cache``                            |
 | store         | KVCODEC_STORE          | ``file://<home>/store``                 |
+| local_store   | KVCODEC_LOCAL_STORE    | empty: off; else a store on this machine (``file:///dev/shm/kvcodec``: RAM) read before ``store`` and filled by every chunk read from it or written to it (9) |
+| local_store_mb | KVCODEC_LOCAL_STORE_MB | 1024: what the local store may hold; past it the least recently used chains go, from their tail |
 | model_cache   | KVCODEC_MODEL_CACHE    | ``<home>/models``                       |
 | model         | KVCODEC_MODEL          | none: SmolLM2-135M-Instruct, embedded (4) |
 | engine        | KVCODEC_ENGINE         | ``transformers`` (``kvcodec.engines.ENGINES``)  |
@@ -51,6 +53,9 @@ adaptive fetcher weighs a GPU-decoded entropy rung against NVDEC's video by what
 (7) read by kv_fetch (``kvcodec.triton.interface``); a request's own ``exclude_input_in_output`` wins.
 (8) ``KVCODEC_CHUNK_KEY_PREVIOUS`` (hex, comma-separated) takes its place; the steps of a rotation
 are in docs/operations.md, "Rotating the chunk key" (``kvcodec.format.auth``, ``kvcodec.serving.resign``).
+(9) ``kvcodec.store.tiered``: the local tier outlives the engine (a restarted server, a second
+engine on the machine read it), unlike the engine's own prefix cache; the adaptive fetcher prices it
+as a link of its own, and ``kvcodec_tier_chunks_total{tier}`` counts the chunks each tier served.
 (4) a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files) of a Llama-family
 model (``kvcodec.engines.model_files.ARCHITECTURES``); its identity, KV geometry and tokenizer come
 from the folder, its codec profile is fitted with ``kvcodec profile fit --model DIR``.
@@ -101,6 +106,8 @@ class Settings:
     exclude_input_in_output: bool = False  # a text request's answer without its prompt when it does not say
     prefix_cache: bool = True  # vLLM's own prefix cache in front of the store
     key_file_previous: Optional[Path] = None  # previous chunk keys: verify, never sign (format.auth)
+    local_store: str = ""  # a store on this machine read before ``store`` ("": none; store.tiered)
+    local_store_mb: int = 1024  # what the local store may hold
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -164,6 +171,10 @@ class Settings:
         key_file_previous = Path(raw("key_file_previous")).expanduser().resolve() if raw("key_file_previous") else None
         if key_file_previous is not None and not key_file_previous.is_file():
             raise ConfigError(f"key_file_previous must be a file of previous chunk keys, got {raw('key_file_previous')!r}")
+        local_store = raw("local_store") or ""
+        if local_store and "://" not in local_store:
+            raise ConfigError(f"local_store must be a store URL (file:///dev/shm/kvcodec), got {local_store!r}")
+        local_store_mb = _int("local_store_mb", raw("local_store_mb") or "1024", minimum=1)
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -175,7 +186,7 @@ class Settings:
                    stream_loads=stream_loads, async_loads=async_loads, step_tokens=step_tokens,
                    prefill_slice=prefill_slice, entropy=entropy, writeback_pending=writeback_pending,
                    exclude_input_in_output=exclude_input_in_output, prefix_cache=prefix_cache,
-                   key_file_previous=key_file_previous)
+                   key_file_previous=key_file_previous, local_store=local_store, local_store_mb=local_store_mb)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -208,6 +219,8 @@ class Settings:
             "KVCODEC_WRITEBACK_PENDING": str(self.writeback_pending),
             "KVCODEC_EXCLUDE_INPUT_IN_OUTPUT": "1" if self.exclude_input_in_output else "0",
             "KVCODEC_PREFIX_CACHE": "1" if self.prefix_cache else "0",
+            "KVCODEC_LOCAL_STORE": self.local_store,
+            "KVCODEC_LOCAL_STORE_MB": str(self.local_store_mb),
         }
 
 

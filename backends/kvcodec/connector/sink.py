@@ -121,16 +121,19 @@ class WriteBackSink:
 
 
 def open_sink(store, card, rungs: Sequence[str], chunk_tokens: int, auth, max_pending: int = 8,
-              corrupt: Optional[KeySet] = None, name: str = "kv-writeback", costs=None) -> Optional[WriteBackSink]:
-    """A sink storing at ``rungs`` (ladder specs) into ``store`` (a URL, opened and owned, or a store);
-    ``costs`` (a ``serving.costs.CostModel``) learns each rung's size and decode time from it."""
+              corrupt: Optional[KeySet] = None, name: str = "kv-writeback", costs=None,
+              owns: Optional[bool] = None) -> Optional[WriteBackSink]:
+    """A sink storing at ``rungs`` (ladder specs) into ``store`` (a URL, opened and owned, or a store,
+    owned when ``owns``); ``costs`` (a ``serving.costs.CostModel``) learns each rung's size and decode
+    time from it."""
     if not rungs:
         return None
     from ..format.ladder import parse_ladder
     from ..store import open_store
 
-    owns = isinstance(store, str)
-    store = open_store(store) if owns else store
+    opened = isinstance(store, str)
+    owns = opened if owns is None else owns
+    store = open_store(store) if opened else store
     saver = ChunkSaver(store, card.model_id, parse_ladder(list(rungs), card), chunk_tokens, auth=auth,
                        observe=costs.observe_rung if costs is not None else None)
     return WriteBackSink(saver, max_pending=max_pending, owns_store=owns, corrupt=corrupt, name=name)
@@ -140,8 +143,10 @@ def sink_for_settings(settings, card) -> Optional[WriteBackSink]:
     """The write-back sink an engine serving ``settings`` uses (``writeback`` rungs; None when off)."""
     from ..format.auth import auth_for
     from ..serving.costs import for_settings
+    from ..store.tiered import open_for_settings
 
     if not settings.writeback:
         return None
-    return open_sink(settings.store, card, settings.writeback, settings.chunk_tokens, auth_for(settings),
-                     max_pending=settings.writeback_pending, costs=for_settings(settings, 0.0))
+    # behind the local tier when there is one: a chunk written back is read from this machine next
+    return open_sink(open_for_settings(settings), card, settings.writeback, settings.chunk_tokens, auth_for(settings),
+                     max_pending=settings.writeback_pending, costs=for_settings(settings, 0.0), owns=True)

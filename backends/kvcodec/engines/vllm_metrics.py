@@ -39,6 +39,8 @@ FAMILIES = {
     "kvcodec_rung_chunks_total": ("counter", "Chunks reused, by rung", "rung"),
     "kvcodec_reused_chunks_total": ("counter", "Chunks reused, by the key that verified them (current; "
                                     "previous: a key rotating)", "key"),
+    "kvcodec_tier_chunks_total": ("counter", "Chunks reused, by the store tier that served them (remote; "
+                                  "local: a local tier, KVCODEC_LOCAL_STORE)", "tier"),
     "kvcodec_fetch_seconds": ("histogram", "Store read seconds of a request", None),
     "kvcodec_decode_seconds": ("histogram", "Decode seconds of a request", None),
     "kvcodec_restore_seconds": ("histogram", "Restore seconds of a request", None),
@@ -87,6 +89,8 @@ class ConnectorMetrics:
             self._add("kvcodec_fetched_bytes_total", stats.bytes_fetched)
             for signer, n in stats.signers.items():
                 self._add(_key("kvcodec_reused_chunks_total", signer), n)
+            for tier, n in stats.tiers.items():
+                self._add(_key("kvcodec_tier_chunks_total", tier), n)
             for chunk in stats.chunks:
                 if chunk.get("status") == "ok" and chunk.get("scheme"):
                     self._add(_key("kvcodec_rung_bytes_total", chunk["scheme"]), int(chunk.get("bytes") or 0))

@@ -37,6 +37,7 @@ class ChunkInfo:
     tokens: int = 0
     choice: str = ""  # the adaptive fetcher's estimates, best first, for this chunk
     signer: str = ""  # the key that verified the chunk (kv_decode): current, or previous (format.auth)
+    tier: str = ""  # the store's tier that served it: remote, or local (a local tier, store.tiered)
     t: Dict[str, float] = field(default_factory=dict)  # wall-clock stamps: request, sent, received, decoded, restored
     s: Dict[str, float] = field(default_factory=dict)  # seconds spent: fetch, decode, restore
     store: Dict[str, Any] = field(default_factory=dict)  # the first record's: kv_fetch's store calls and

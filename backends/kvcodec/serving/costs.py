@@ -73,19 +73,21 @@ class CostModel:
     def known(self, identity: str) -> bool:
         return "bytes_per_token" in self.data["rungs"].get(identity, {})
 
-    def link(self, store_url: str) -> tuple:
-        """(rate in bytes/s, round-trip seconds) of the link to ``store_url``."""
+    def link(self, store_url: str, prior_mbps: Optional[float] = None) -> tuple:
+        """(rate in bytes/s, round-trip seconds) of the link to ``store_url``; ``prior_mbps``: its rate
+        until one is measured (default: the deployment's ``link_mbps``)."""
         link = self.data["links"].get(store_url, {})
         s_per_byte = link.get("s_per_byte")
-        return (1.0 / s_per_byte if s_per_byte else self.prior_rate), link.get("rtt_s", 0.0)
+        prior = self.prior_rate if prior_mbps is None else prior_mbps * 1e6 / 8
+        return (1.0 / s_per_byte if s_per_byte else prior), link.get("rtt_s", 0.0)
 
     @property
     def prefill_s_per_token(self) -> float:
         return self.data["prefill"].get("s_per_token", PRIOR_PREFILL_S_PER_TOKEN)
 
     # -- estimates ---------------------------------------------------------------------------
-    def transfer_s(self, store_url: str, nbytes: float) -> float:
-        rate, rtt = self.link(store_url)
+    def transfer_s(self, store_url: str, nbytes: float, prior_mbps: Optional[float] = None) -> float:
+        rate, rtt = self.link(store_url, prior_mbps)
         return rtt + nbytes / rate
 
     # -- recording ---------------------------------------------------------------------------

@@ -40,6 +40,12 @@ fails or times out, requests skip the store at once (status ``none``, "store ski
 probe finds it answering again (the first request after the cooldown runs the probe and waits up to
 ``PROBE_WAIT_S`` for it; a healed store is used again within two requests).
 
+A store with a local tier (``store.tiered``: ``holds_locally``, ``get_tiered``) is two links: the
+plan notes which chunks the local tier holds, the estimates price each chunk over its tier's link
+(the local one's prior ``LOCAL_PRIOR_MBPS`` until measured), each transfer is recorded under the
+tier that served it (a local hit never makes the remote link look fast), and ``ChunkInfo.tier``
+says which it was.
+
 Estimates heal: when the adaptive fetcher chooses to recompute, no transfer would correct a link
 estimate that a slow moment made too pessimistic; so it reads up to ``LINK_PROBE_BYTES`` of the
 first chunk in the background (at most every ``LINK_PROBE_EVERY_S``) and records that transfer.
@@ -48,7 +54,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import KVCodecError, StoreTimeout
 from ..format.codecs import Scheme
@@ -56,6 +62,7 @@ from ..format.keys import chunk_keys, reusable_chunks
 from ..format.ladder import parse_ladder, rung_name
 from ..store import KVStore
 from ..store.deadline import call_deadline
+from ..store.tiered import LOCAL, REMOTE
 from .breaker import Breaker
 from .calls import StoreCalls
 from .chunkinfo import ChunkInfo
@@ -68,11 +75,13 @@ MIN_PATIENCE_S = 0.5  # the shortest wait on one chunk (a healthy store answers 
 PROBE_WAIT_S = 0.2  # how long a request waits for the breaker's probe before going without the store
 LINK_PROBE_BYTES = 256 * 1024
 LINK_PROBE_EVERY_S = 5.0
+LOCAL_PRIOR_MBPS = 20000.0  # a local tier's rate before one is measured (a file in RAM or on an SSD)
 
 
 @dataclass
 class Plan:
     runs: List[Tuple[Scheme, List[str]]]  # per rung, in ladder order: the keys of its stored run
+    local: FrozenSet[str] = frozenset()  # the keys a local tier holds (``store.tiered``)
 
     @property
     def n_chunks(self) -> int:
@@ -147,7 +156,9 @@ class Fetcher:
             while n < len(keys) and present[keys[n]]:
                 n += 1
             runs.append((scheme, keys[:n]))
-        plan = Plan(runs)
+        holds = getattr(self.store, "holds_locally", None)
+        local = frozenset(k for _, keys in runs for k in keys if holds(k)) if holds else frozenset()
+        plan = Plan(runs, local)
         return plan if plan.n_chunks else None
 
     # -- choice ------------------------------------------------------------------------------
@@ -157,8 +168,10 @@ class Fetcher:
         for scheme, key in plan.candidates(index):
             c = self.costs.rung(scheme.identity)
             t = self.chunk_tokens
-            out.append(Estimate(scheme, key, self.costs.transfer_s(self.store.url, c.bytes_per_token * t),
-                                c.decode_s_per_token * t, c.restore_s_per_token * t))
+            nbytes = c.bytes_per_token * t
+            transfer = (self.costs.transfer_s(self.store.local_url, nbytes, LOCAL_PRIOR_MBPS) if key in plan.local
+                        else self.costs.transfer_s(self.store.url, nbytes))
+            out.append(Estimate(scheme, key, transfer, c.decode_s_per_token * t, c.restore_s_per_token * t))
         return out
 
     def _rank(self, estimates: List[Estimate], remaining: int, budget_s: Optional[float]) -> List[Estimate]:
@@ -173,12 +186,12 @@ class Fetcher:
         if index >= plan.n_chunks:
             return 0.0, 0.0
         remaining = plan.n_chunks - index
-        # A chunk's estimates depend only on which rungs hold it: one estimate per set of rungs,
+        # A chunk's estimates depend only on which rungs (and tiers) hold it: one estimate per set,
         # not one per remaining chunk (which made each request quadratic in its chunks).
-        best: Dict[Tuple[str, ...], Estimate] = {}
+        best: Dict[Tuple[Tuple[str, bool], ...], Estimate] = {}
         per_chunk: List[Estimate] = []
         for j in range(index, plan.n_chunks):
-            rungs = tuple(scheme.identity for scheme, _ in plan.candidates(j))
+            rungs = tuple((scheme.identity, key in plan.local) for scheme, key in plan.candidates(j))
             if rungs not in best:
                 best[rungs] = min(self.estimates(plan, j), key=lambda e: e.stage_s)
             per_chunk.append(best[rungs])
@@ -278,8 +291,9 @@ class Fetcher:
             info.scheme, info.scheme_id, info.key = scheme.name, scheme.identity, key
             t_get = time.perf_counter()
             try:
-                call = self.calls.submit(self.store.get, key, deadline=deadline)
-                data = self.calls.wait([call], deadline, f"chunk {i}")[0] or b""
+                call = self.calls.submit(self._get, key, deadline=deadline)
+                data, tier = self.calls.wait([call], deadline, f"chunk {i}")[0]
+                data = data or b""
             except StoreTimeout:
                 errors.append(f"timeout: the store did not answer within {why}")
                 break  # no time left for another rung
@@ -288,7 +302,8 @@ class Fetcher:
                 continue
             seconds = time.perf_counter() - t_get
             if data:
-                self._observe(len(data), seconds)
+                info.tier = tier
+                self._observe(len(data), seconds, url=self.store.local_url if tier == LOCAL else None)
                 break
             errors.append("miss: chunk vanished from the store")
         info.s["fetch"] = time.perf_counter() - t0
@@ -309,14 +324,20 @@ class Fetcher:
         def measure():
             t = time.perf_counter()
             with call_deadline(time.monotonic() + LINK_PROBE_EVERY_S):
-                data = self.store.get_range(key, 0, LINK_PROBE_BYTES)
+                data = getattr(self.store, "remote", self.store).get_range(key, 0, LINK_PROBE_BYTES)  # not a local tier
             if data:
                 self._observe(len(data), time.perf_counter() - t, fresh=True)
 
         self.calls.submit(measure, deadline=now + LINK_PROBE_EVERY_S)
 
-    def _observe(self, nbytes: int, seconds: float, fresh: bool = False) -> None:
+    def _get(self, key: str) -> Tuple[Optional[bytes], str]:
+        """The chunk and the tier that served it (``REMOTE`` for a store without a local tier)."""
+        tiered = getattr(self.store, "get_tiered", None)
+        return tiered(key) if tiered else (self.store.get(key), REMOTE)
+
+    def _observe(self, nbytes: int, seconds: float, fresh: bool = False, url: Optional[str] = None) -> None:
+        """One transfer, recorded under ``url`` (the local tier's) or the store's."""
         try:
-            self.costs.observe_transfer(self.store.url, nbytes, seconds, fresh=fresh)
+            self.costs.observe_transfer(url or self.store.url, nbytes, seconds, fresh=fresh)
         except OSError:
             pass  # a cost file we cannot write only makes estimates staler

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Optional, Sequence
 
 from ..format.auth import auth_for
-from ..store import open_store
+from ..store.tiered import open_for_settings
 from .assemble import Assembler, Chunks
 from .costs import for_settings, record_request
 from .decode import DecodeStep
@@ -55,7 +55,7 @@ class ReadPath:
                  observer: Optional[Callable[[object], None]] = None) -> None:
         self.settings, self.card, self.observer = settings, card, observer
         self._owns_store = store is None
-        self.store = open_store(settings.store) if store is None else store
+        self.store = open_for_settings(settings) if store is None else store
         self.costs = for_settings(settings, card.geometry(1).fp16_bytes)
         self.fetcher = Fetcher(self.store, card.model_id, settings.ladder, settings.chunk_tokens, costs=self.costs,
                                adaptive=settings.adaptive, deadline_s=settings.deadline_s, card=card,

@@ -38,6 +38,8 @@ class RequestStats:
     schemes: Dict[str, int] = field(default_factory=dict)  # chunks used, by codec
     signers: Dict[str, int] = field(default_factory=dict)  # chunks used, by the key that verified them
     # (current | previous: a key rotating, ``format.auth``)
+    tiers: Dict[str, int] = field(default_factory=dict)  # chunks used, by the store tier that served
+    # them (remote | local: a local tier in front of the store, ``store.tiered``)
     miss_reason: str = ""  # why reuse stopped short ('' when every planned chunk was used)
     bytes_fetched: int = 0  # chunk bytes read from the store
     fetch_s: float = 0.0  # seconds in store reads, all chunks
@@ -63,9 +65,11 @@ class RequestStats:
         used = [i for i in infos if i.ok and i.count]
         schemes: Dict[str, int] = {}
         signers: Dict[str, int] = {}
+        tiers: Dict[str, int] = {}
         for i in used:
             schemes[i.scheme] = schemes.get(i.scheme, 0) + 1
             signers[i.signer or "current"] = signers.get(i.signer or "current", 0) + 1
+            tiers[i.tier or "remote"] = tiers.get(i.tier or "remote", 0) + 1
         return cls(
             reused_tokens=reused_tokens,
             chunks_planned=infos[0].count if infos else 0,
@@ -73,6 +77,7 @@ class RequestStats:
             scheme=infos[0].scheme if infos else "",
             schemes=schemes,
             signers=signers,
+            tiers=tiers,
             miss_reason=reason,
             bytes_fetched=sum(i.bytes for i in infos),
             fetch_s=round(sum(i.s.get("fetch", 0.0) for i in infos), 6),
@@ -82,7 +87,7 @@ class RequestStats:
             pipeline=overlap(infos),
             store=dict(infos[0].store) if infos else {},
             chunks=[{"index": i.index, "status": i.status, "scheme": i.scheme, "scheme_id": i.scheme_id,
-                     "bytes": i.bytes, "t": i.t, "s": i.s, "choice": i.choice, "reason": i.reason} for i in infos],
+                     "tier": i.tier, "bytes": i.bytes, "t": i.t, "s": i.s, "choice": i.choice, "reason": i.reason} for i in infos],
         )
 
     @property

@@ -70,6 +70,14 @@ class FileStore(KVStore):
                 except OSError:
                     pass
 
+    def touch(self, key: str) -> None:
+        """Mark the chunk used now (its access and modification times: ``scan``'s ``time``), as a
+        local tier does on each hit: the file system may not update access times on reads."""
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError:
+            pass
+
     def delete(self, key: str) -> None:
         try:
             self._path(key).unlink()

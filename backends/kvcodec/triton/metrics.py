@@ -40,6 +40,9 @@ class LlmMetrics:
         self.signers = pb_utils.MetricFamily("kvcodec_reused_chunks_total", "Chunks reused, by the key that "
                                              "verified them (current; previous: a key rotating)", counter)
         self._by_signer = {}
+        self.tiers = pb_utils.MetricFamily("kvcodec_tier_chunks_total", "Chunks reused, by the store tier that "
+                                           "served them (remote; local: a local tier, KVCODEC_LOCAL_STORE)", counter)
+        self._by_tier = {}
         self._by_outcome = {}
         # a MetricFamily must outlive its metrics (a deleted family fails their updates): each is kept
         self.cancels = pb_utils.MetricFamily("kvcodec_cancelled_total",
@@ -91,10 +94,12 @@ class LlmMetrics:
                                        self.rung_chunks.Metric(labels={"rung": rung}))
             self._by_rung[rung][0].increment(int(chunk.get("bytes") or 0))
             self._by_rung[rung][1].increment(1)
-        for signer, n in stats.signers.items():
-            if signer not in self._by_signer:
-                self._by_signer[signer] = self.signers.Metric(labels={"key": signer})
-            self._by_signer[signer].increment(int(n))
+        for family, by, label, counts in ((self.signers, self._by_signer, "key", stats.signers),
+                                          (self.tiers, self._by_tier, "tier", stats.tiers)):
+            for value, n in counts.items():
+                if value not in by:
+                    by[value] = family.Metric(labels={label: value})
+                by[value].increment(int(n))
         reason = stats.miss_status
         if reason:
             if reason not in self._by_reason:

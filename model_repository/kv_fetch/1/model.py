@@ -30,7 +30,7 @@ from kvcodec.serving.breaker import STATES
 from kvcodec.serving.costs import for_settings
 from kvcodec.serving.fetch import Fetcher
 from kvcodec.settings import Settings
-from kvcodec.store import open_store
+from kvcodec.store.tiered import open_for_settings
 from kvcodec.triton import (
     FINAL,
     error_response,
@@ -49,7 +49,7 @@ class TritonPythonModel:
         self.card = model_card(self.settings)
         self.tokenizer = tokenizer(self.settings)  # the model's own: text_input -> the ids ingest keys
         self.honoured = sampling_fields(self.settings, self.card)  # what the llm step's engine would take
-        self.store = open_store(self.settings.store)  # one connection pool for this instance
+        self.store = open_for_settings(self.settings)  # one connection pool for this instance (its local tier first)
         costs = for_settings(self.settings, self.card.geometry(1).fp16_bytes)
         self.fetcher = Fetcher(self.store, self.card.model_id, self.settings.ladder, self.settings.chunk_tokens,
                                costs=costs, adaptive=self.settings.adaptive, deadline_s=self.settings.deadline_s,

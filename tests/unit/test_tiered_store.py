@@ -1,0 +1,134 @@
+"""The local tier (``kvcodec.store.tiered``) below any server: two real file stores (the local one in
+front of the "remote" one) and real chunk containers. A chunk read once is served locally after,
+even with the remote copy gone; writes land in both; the tier's failures never fail a call; it keeps
+to its size by cutting chains from the tail; the adaptive fetcher prices the tiers apart and a local
+hit never moves the remote link's estimate. Against a real Redis behind a link and a real
+``vllm serve``: tests/integration/test_vllm_serve.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvcodec.errors import ConfigError, StoreUnavailable
+from kvcodec.format.codecs import get_scheme
+from kvcodec.serving.costs import CostModel
+from kvcodec.serving.fetch import Fetcher
+from kvcodec.settings import Settings
+from kvcodec.store.fs import FileStore
+from kvcodec.store.tiered import LOCAL, REMOTE, TieredStore, open_for_settings, with_local_tier
+
+from .test_pipeline import CHUNK, MODEL, N_CHUNKS, assemble, context, encoded, ingest, through_steps  # noqa: F401  (module fixtures)
+from .test_store_capacity import intact, store_chain
+
+FP16_PER_TOKEN = 2 * 2 * 3 * 64 * 2  # the synthetic context: 2 layers, 3 heads, head_dim 64
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    local, remote = FileStore(tmp_path / "local"), FileStore(tmp_path / "remote")
+    yield local, remote, TieredStore(local, remote, 1 << 30)
+
+
+def test_a_chunk_read_once_is_served_locally_after_even_with_the_remote_copy_gone(tiers):
+    local, remote, tiered = tiers
+    keys = store_chain(remote, list(range(40)))
+    data, tier = tiered.get_tiered(keys[0])
+    assert tier == REMOTE and data == remote.get(keys[0]) and local.get(keys[0]) == data
+    remote.delete(keys[0])
+    assert tiered.get_tiered(keys[0]) == (data, LOCAL) and tiered.exists(keys[0])
+    assert tiered.holds_locally(keys[0]) and not tiered.holds_locally(keys[1]) and tiered.exists(keys[1])
+    assert tiered.get_range(keys[0], 0, 4) == data[:4]
+    assert tiered.counts["local_hits"] == 1 and tiered.counts["remote_reads"] == 1
+    assert tiered.url == remote.url and tiered.local_url == local.url
+
+
+def test_writes_land_in_both_tiers_and_the_remote_answers_for_the_create(tiers):
+    local, remote, tiered = tiers
+    assert tiered.put("aa/bb", b"first") and remote.get("aa/bb") == b"first" == local.get("aa/bb")
+    local.put("aa/cc", b"stale")
+    assert not tiered.put("aa/bb", b"again")  # the remote held it: not created (chunk keys name content)
+    assert tiered.put("aa/cc", b"fresh") and local.get("aa/cc") == b"fresh"  # a local copy is replaced
+    tiered.delete("aa/bb")
+    assert not local.exists("aa/bb") and not remote.exists("aa/bb")
+
+
+class BrokenStore(FileStore):
+    """A local tier on a disk that fails every call."""
+
+    def get(self, *args):
+        raise StoreUnavailable("disk gone")
+
+    exists = put = get_range = delete = get
+
+
+def test_a_failing_local_tier_only_loses_its_copies(tmp_path):
+    remote = FileStore(tmp_path / "remote")
+    keys = store_chain(remote, list(range(24)))
+    tiered = TieredStore(BrokenStore(tmp_path / "local"), remote, 1 << 30)
+    assert tiered.get_tiered(keys[0]) == (remote.get(keys[0]), REMOTE) and tiered.exists(keys[1])
+    assert tiered.put("aa/bb", b"x") and remote.get("aa/bb") == b"x"
+    assert tiered.counts["local_errors"] >= 3
+
+
+def test_the_local_tier_keeps_to_its_size_by_cutting_chains_from_the_tail(tmp_path):
+    local, remote = FileStore(tmp_path / "local"), FileStore(tmp_path / "remote")
+    chains = [store_chain(remote, list(range(100 * c, 100 * c + 48))) for c in range(3)]  # 3 chains, 6 chunks
+    size = len(remote.get(chains[0][0]))
+    tiered = TieredStore(local, remote, 7 * size)
+    for keys in chains:
+        for k in keys:
+            assert tiered.get(k)
+    tiered._gc.join(timeout=30)
+    held = {e.key for e in local.scan()}
+    assert sum(e.size for e in local.scan()) <= 7 * size and tiered.counts["evicted"] > 0
+    assert intact(held, chains) and chains[-1][0] in held  # prefixes stay; the newest chain's head too
+    assert len({e.key for e in remote.scan()}) == 18  # the remote store keeps everything
+
+
+def test_settings_name_the_local_tier(tmp_path):
+    s = Settings.load({"home": str(tmp_path), "local_store": f"file://{tmp_path}/local", "local_store_mb": "3"}, env={})
+    assert (s.local_store, s.local_store_mb) == (f"file://{tmp_path}/local", 3)
+    assert Settings.load(env=s.environ()) == s
+    store = open_for_settings(s)
+    assert isinstance(store, TieredStore) and store.max_bytes == 3 << 20 and store.url == s.store
+    plain = Settings.load({"home": str(tmp_path)}, env={})
+    assert not isinstance(open_for_settings(plain), TieredStore) and plain.local_store == ""
+    with pytest.raises(ConfigError, match="local_store"):
+        Settings.load({"home": str(tmp_path), "local_store": "/dev/shm/x"}, env={})
+    with pytest.raises(ConfigError, match="size"):
+        with_local_tier(FileStore(tmp_path / "r"), f"file://{tmp_path}/l", 0)
+
+
+class SlowStore(FileStore):
+    """A remote store 50 ms away."""
+
+    def get(self, key):
+        time.sleep(0.05)
+        return super().get(key)
+
+
+def test_the_fetcher_prices_the_tiers_apart(tmp_path, context, encoded):  # noqa: F811
+    """Raw chunk 0 is local: it comes from there (remotely the smaller rung wins); its transfer is
+    recorded under the local tier's URL; once every chunk is local, the remote link's estimate stays."""
+    ids, _ = context
+    local, remote = FileStore(tmp_path / "local"), SlowStore(tmp_path / "remote")
+    ingest(remote, encoded, "raw")
+    ingest(remote, encoded, "int8-zstd")
+    tiered = TieredStore(local, remote, 1 << 30)
+    tiered.get(encoded["raw"][0][0])  # read once: now local
+    costs = CostModel(None, 10.0, FP16_PER_TOKEN)  # a 10 Mbit/s link until measured
+    for rung, nbytes in (("raw", FP16_PER_TOKEN * CHUNK), ("int8-zstd", FP16_PER_TOKEN * CHUNK // 2)):
+        costs.observe_rung(get_scheme(rung).identity, CHUNK, nbytes, 0.0, 0.0)
+    f = Fetcher(tiered, MODEL, ["int8-zstd", "raw"], CHUNK, costs=costs, adaptive=True)
+    fetched = list(f.fetch(ids, "s"))
+    assert [(i.scheme, i.tier) for i, _ in fetched] == [("raw", LOCAL)] + [("int8-zstd", REMOTE)] * (N_CHUNKS - 1)
+    assert "s_per_byte" in costs.data["links"][local.url]
+    remote_rate = costs.data["links"][remote.url]["s_per_byte"]
+    done = assemble(through_steps(fetched))
+    assert done.reused_tokens == N_CHUNKS * CHUNK
+    assert done.stats().to_dict()["tiers"] == {"local": 1, "remote": N_CHUNKS - 1}
+    again = list(f.fetch(ids, "t"))  # every chunk is local now, at the rung it was read at
+    assert [(i.scheme, i.tier) for i, _ in again] == [("raw", LOCAL)] + [("int8-zstd", LOCAL)] * (N_CHUNKS - 1)
+    assert costs.data["links"][remote.url]["s_per_byte"] == remote_rate
+    f.close()
