@@ -12,6 +12,9 @@ shaper) at each ``--bandwidth-mbps``. Methods (``--methods``):
 - ``lmcache-ram``: LMCache lossless with one ``lmcache server`` for the populating and the measuring
   vLLM: a new vLLM reads the prefix from the server's RAM tier (L1), not across the link (LMCache's
   local tier outliving a vLLM restart; not in the default methods);
+- ``kvcodec-vllm-serve-ram``: its answer, KVCodec in ``vllm serve`` with a local tier in RAM
+  (``KVCODEC_LOCAL_STORE`` in ``/dev/shm``, ``kvcodec.store.tiered``) that the populating server's
+  write-back fills and the measuring server reads (not in the default methods);
 - ``kvcodec-vllm-serve`` (the adaptive ladder) and ``kvcodec-vllm-serve:RUNG`` (one static rung,
   measured with the first ``--clients`` count only: it shows what the ladder chooses between):
   vLLM's OpenAI server with ``KVCodecConnector`` (``docs/engines-and-models.md``), from ``.venv-vllm``;
@@ -46,10 +49,12 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,7 +64,9 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 LMCACHE_VENV = REPO / ".venv-lmcache"
 RESULTS = REPO / "perf" / "results" / "peers.json"
-METHODS = ("prefill", "lmcache", "lmcache-fp8", "lmcache-ram", "kvcodec-vllm-serve", "kvcodec-ensemble")
+METHODS = ("prefill", "lmcache", "lmcache-fp8", "lmcache-ram", "kvcodec-vllm-serve", "kvcodec-vllm-serve-ram",
+           "kvcodec-ensemble")
+LOCAL_TIERS = ("lmcache-ram", "kvcodec-vllm-serve-ram")  # asked for by name: a tier on the machine, not the link
 KVCODEC = ("kvcodec-vllm-serve", "kvcodec-ensemble")
 SOURCES = ("argparse.py", "typing.py", "inspect.py", "pathlib.py", "ast.py", "enum.py", "subprocess.py", "tarfile.py")
 QUESTION = "\n\n# Question: what does the code above do?\n# Answer:"
@@ -74,7 +81,7 @@ class PeersConfig:
     context_tokens: int = 4096
     contexts: int = 4
     clients: List[int] = field(default_factory=lambda: [1, 4])
-    methods: List[str] = field(default_factory=lambda: [m for m in METHODS if m != "lmcache-ram"])
+    methods: List[str] = field(default_factory=lambda: [m for m in METHODS if m not in LOCAL_TIERS])
     delay_ms: float = 1.0
     link_mode: str = "auto"
     chunk_tokens: int = 256
@@ -226,13 +233,15 @@ def method_server(method: str, model: Path, root: Path, store_url: str, redis_ho
             footprint.watch("tritonserver", server.pid)
             yield server
         return
-    if base == "kvcodec-vllm-serve":
+    if base in ("kvcodec-vllm-serve", "kvcodec-vllm-serve-ram"):
         env = {"KVCODEC_HOME": str(root.parent / "home"), "KVCODEC_STORE": store_url,  # one home: its cost model
                "KVCODEC_MODEL_CACHE": str(REPO / ".cache" / "models"), "KVCODEC_THREADS": "1",
                "KVCODEC_CHUNK_KEY": _chunk_key(root.parent), "KVCODEC_LADDER": rung or ADAPTIVE_LADDER,
                "KVCODEC_WRITEBACK": rung or ADAPTIVE_LADDER, "KVCODEC_ADAPTIVE": "0" if rung else "1",
                # the populating server stores every chunk of every prompt (a deployed one drops past 8 waiting)
                "KVCODEC_WRITEBACK_PENDING": "4096"}
+        if base == "kvcodec-vllm-serve-ram":
+            env.update(KVCODEC_LOCAL_STORE=f"file://{ram_tier(root.parent)}", KVCODEC_LOCAL_STORE_MB="4096")
         with VllmServe(model, root, env, _port(), prefix_cache=prefix_cache, python=VLLM_PYTHON,
                        extra_args=LOGPROBS_ARGS) as server:
             footprint.watch("vllm", server.process.pid)
@@ -382,7 +391,7 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
     base, rung = method_parts(method)
     # lmcache-ram: one LMCache server for the populating and the measuring vLLM (its RAM tier)
     with (lmcache_server(work / "lmcache", address, password, fp8=False) if base == "lmcache-ram"
-          else contextlib.nullcontext()) as shared:
+          else contextlib.nullcontext()) as shared, removed(ram_tier(work)):
         if base != "prefill":  # a first server computes every prompt and stores its KV
             with method_server(method, model, work / "populate", url, address, password, config, True,
                                footprint, shared) as server:
@@ -425,11 +434,26 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
                 f"p90 {row['ttft_p90_s']:.3f} s; bytes/token {row['bytes_per_token']}; tokens match {row['tokens_match']}"
                 + (f"; gate mean KL {gate['mean_kl']}, top-1 {gate['top1_agreement']}, passes {gate['passes']}"
                    if gate else ""))
-            if base == "kvcodec-vllm-serve":
+            if base.startswith("kvcodec-vllm-serve"):
                 row.update(rungs=rung_chunks(server.metrics_text()), costs=cost_summary(
                     work / "home" / "costs.json", config.chunk_tokens))
             rows.append(row)
     return rows
+
+
+def ram_tier(work: Path) -> Path:
+    """The RAM folder of a method's local tier (``kvcodec-vllm-serve-ram``), one per method and rate."""
+    return Path("/dev/shm") / f"kvcodec-peers-{zlib.crc32(str(work.resolve()).encode()):08x}"
+
+
+@contextlib.contextmanager
+def removed(path: Path) -> Iterator[None]:
+    """``path`` is removed after the block (and before: a stopped run's left-overs)."""
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def rung_chunks(metrics_text: str) -> Dict[str, int]:
@@ -463,6 +487,8 @@ MODES = {"prefill": "vLLM multiprocess", "lmcache": "vLLM multiprocess (LMCacheM
          "lmcache-fp8": "vLLM multiprocess (LMCacheMPConnector)",
          "lmcache-ram": "vLLM multiprocess (LMCacheMPConnector), one lmcache server for both vLLMs (its RAM tier)",
          "kvcodec-vllm-serve": "vLLM in the server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+         "kvcodec-vllm-serve-ram": "vLLM in the server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), a local tier in "
+                                   "/dev/shm for both servers (KVCODEC_LOCAL_STORE)",
          "kvcodec-ensemble": "vLLM in the llm step's python stub (Triton ensemble, gRPC streaming)"}
 
 

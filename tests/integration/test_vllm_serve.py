@@ -5,7 +5,8 @@ completion and a chat and writes their full chunks back to the store; asked agai
 its own prefix cache (vLLM's metrics: local hits, no external ones: nothing read); a second server
 (a new process: an empty local cache) reads the chat's chunks from the store (external hits) and
 gives the same greedy tokens; the completion's chunks, damaged, are refused and computed: the same
-answer, nothing loaded."""
+answer, nothing loaded. With a local tier (``KVCODEC_LOCAL_STORE``) a restarted server reads what
+the first wrote back from this machine, the remote copies gone."""
 from __future__ import annotations
 
 import json
@@ -121,3 +122,32 @@ def test_vllm_serve_writes_back_reuses_locally_then_from_the_store(home, env, mo
         assert 'reason="corrupt"' in second.metrics_text(), second.log_tail()
     print(json.dumps({"cold_s": cold["elapsed_s"], "hot_s": hot["elapsed_s"], "warm_chat_s": warm_chat["elapsed_s"],
                       "cold_chat_s": cold_chat["elapsed_s"]}))
+
+
+def test_a_local_tier_serves_a_restarted_server_with_the_remote_copies_gone(home, env, model, tokenizer):
+    """``KVCODEC_LOCAL_STORE``: what the first server wrote back is kept on this machine too; a new
+    server (vLLM's own prefix cache empty) reads it from there: the remote store's copies are deleted
+    first, so nothing of it can have come from the remote store."""
+    remote, local = home / "tier-remote", home / "tier-local"
+    tier_env = {**env, "KVCODEC_STORE": f"file://{remote}", "KVCODEC_LOCAL_STORE": f"file://{local}",
+                "KVCODEC_LOCAL_STORE_MB": "64"}
+    prompt = text_of(tokenizer, "glob.py", 540) + QUESTION
+    [port] = free_ports(1)
+    with VllmServe(model, home, tier_env, port) as first:
+        cold = first.completion(prompt, 8)
+        deadline = time.monotonic() + 60
+        while len(list(local.glob("**/*.kvc"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    written = sorted(p.relative_to(remote) for p in remote.glob("**/*.kvc"))
+    assert len(written) == 2 and sorted(p.relative_to(local) for p in local.glob("**/*.kvc")) == written
+    for path in remote.glob("**/*.kvc"):
+        path.unlink()
+    [port] = free_ports(1)
+    with VllmServe(model, home, tier_env, port) as second:
+        warm = second.completion(prompt, 8)
+        assert _text(warm) == _text(cold) and _cached(warm) >= 512, second.log_tail()
+        m = _settled(second, lambda m: m.get("kvcodec_tier_chunks_total", 0) >= 2)
+        text = second.metrics_text()
+        assert m.get("kvcodec_reused_tokens_total", 0) >= 512 and 'tier="local"' in text, (m, second.log_tail())
+        assert 'tier="remote"' not in text
+    print(json.dumps({"cold_s": cold["elapsed_s"], "local_tier_s": warm["elapsed_s"]}))

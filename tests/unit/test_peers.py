@@ -19,8 +19,10 @@ def test_method_names():
     assert method_parts("kvcodec-vllm-serve:int8-zstd") == ("kvcodec-vllm-serve", "int8-zstd")
     assert method_parts("kvcodec-ensemble:raw") == ("kvcodec-ensemble", "raw")
     assert method_parts("lmcache-ram") == ("lmcache-ram", None)
-    assert "lmcache-ram" not in PeersConfig().methods  # asked for by name: a local tier, not the link
-    for bad in ("lmcache:raw", "vllm", "prefill:raw", "lmcache-ram:raw"):
+    assert method_parts("kvcodec-vllm-serve-ram") == ("kvcodec-vllm-serve-ram", None)
+    for local in ("lmcache-ram", "kvcodec-vllm-serve-ram"):  # asked for by name: a local tier, not the link
+        assert local not in PeersConfig().methods
+    for bad in ("lmcache:raw", "vllm", "prefill:raw", "lmcache-ram:raw", "kvcodec-vllm-serve-ram:raw"):
         with pytest.raises(ValueError):
             method_parts(bad)
 
