@@ -12,6 +12,7 @@ import pytest
 
 from kvcodec.errors import ConfigError, StoreUnavailable
 from kvcodec.format.codecs import get_scheme
+from kvcodec.serving.breaker import Breaker
 from kvcodec.serving.costs import CostModel
 from kvcodec.serving.fetch import Fetcher
 from kvcodec.settings import Settings
@@ -132,3 +133,30 @@ def test_the_fetcher_prices_the_tiers_apart(tmp_path, context, encoded):  # noqa
     assert [(i.scheme, i.tier) for i, _ in again] == [("raw", LOCAL)] + [("int8-zstd", LOCAL)] * (N_CHUNKS - 1)
     assert costs.data["links"][remote.url]["s_per_byte"] == remote_rate
     f.close()
+
+
+def test_while_the_remote_breaker_is_open_the_local_tier_is_still_read(tmp_path, context, encoded):  # noqa: F811
+    """A remote store kept out by its breaker: the prefix this machine holds (chunks 0 and 1) is read
+    from the local tier, on the request's thread; the rest is computed; the remote store is not called."""
+    ids, _ = context
+    local, remote = FileStore(tmp_path / "local"), FileStore(tmp_path / "remote")
+    keys = ingest(remote, encoded, "int8-zstd")
+    tiered = TieredStore(local, remote, 1 << 30)
+    for k in keys[:2]:
+        tiered.get(k)
+    f = Fetcher(tiered, MODEL, ["int8-zstd"], CHUNK, costs=CostModel(None, 1000.0, FP16_PER_TOKEN),
+                breaker=Breaker(cooldown_s=30))
+    f.calls.breaker.failure("store down")
+    for k in keys:
+        remote.delete(k)  # were the remote store asked, nothing would be found there
+    fetched = list(f.fetch(ids, "s"))
+    assert [(i.index, i.tier) for i, _ in fetched] == [(0, LOCAL), (1, LOCAL)]
+    assert fetched[0][0].store["breaker"] == "open"
+    done = assemble(through_steps(fetched))
+    assert done.reused_tokens == 2 * CHUNK
+    plain = Fetcher(remote, MODEL, ["int8-zstd"], CHUNK, breaker=Breaker(cooldown_s=30))
+    plain.calls.breaker.failure("store down")  # without a local tier: nothing is read
+    [(info, _)] = list(plain.fetch(ids, "t"))
+    assert info.count == 0 and "breaker" in info.reason
+    f.close()
+    plain.close()

@@ -44,7 +44,8 @@ A store with a local tier (``store.tiered``: ``holds_locally``, ``get_tiered``) 
 plan notes which chunks the local tier holds, the estimates price each chunk over its tier's link
 (the local one's prior ``LOCAL_PRIOR_MBPS`` until measured), each transfer is recorded under the
 tier that served it (a local hit never makes the remote link look fast), and ``ChunkInfo.tier``
-says which it was.
+says which it was. While the remote store's breaker keeps it out, the local tier alone is still
+read (``plan_local``: on the request's thread, not the store's pool): a hot prefix outlives an outage.
 
 Estimates heal: when the adaptive fetcher chooses to recompute, no transfer would correct a link
 estimate that a slow moment made too pessimistic; so it reads up to ``LINK_PROBE_BYTES`` of the
@@ -82,6 +83,7 @@ LOCAL_PRIOR_MBPS = 20000.0  # a local tier's rate before one is measured (a file
 class Plan:
     runs: List[Tuple[Scheme, List[str]]]  # per rung, in ladder order: the keys of its stored run
     local: FrozenSet[str] = frozenset()  # the keys a local tier holds (``store.tiered``)
+    local_only: bool = False  # the remote store is kept out (its breaker): only the local tier is read
 
     @property
     def n_chunks(self) -> int:
@@ -159,6 +161,19 @@ class Fetcher:
         holds = getattr(self.store, "holds_locally", None)
         local = frozenset(k for _, keys in runs for k in keys if holds(k)) if holds else frozenset()
         plan = Plan(runs, local)
+        return plan if plan.n_chunks else None
+
+    def plan_local(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None) -> Plan | None:
+        """The plan of what the local tier alone holds (its own calls, no pool, no breaker)."""
+        limit = reusable_chunks(len(ids), self.chunk_tokens)
+        runs = []
+        for scheme in list(schemes or self.schemes):
+            keys = chunk_keys(ids, self.model_id, scheme.identity, self.chunk_tokens, max_chunks=limit)
+            n = 0
+            while n < len(keys) and self.store.holds_locally(keys[n]):
+                n += 1
+            runs.append((scheme, keys[:n]))
+        plan = Plan(runs, frozenset(k for _, keys in runs for k in keys), local_only=True)
         return plan if plan.n_chunks else None
 
     # -- choice ------------------------------------------------------------------------------
@@ -239,6 +254,12 @@ class Fetcher:
                 reason = f"store lookup timed out: no answer within {lookup_by - t0:.2f}s"
             except KVCodecError as exc:
                 reason = f"store lookup failed: {exc}"
+        elif reuse and reason and hasattr(self.store, "holds_locally"):
+            # the remote store is kept out; what this machine's tier holds is still read
+            try:
+                plan = self.plan_local(ids, parse_ladder(list(codecs), self.card) if codecs else None)
+            except KVCodecError as exc:
+                reason = f"{reason}; local look-up failed: {exc}"
         if plan is None:
             info = ChunkInfo(session, 0, 0, status="none", reason=reason or "no stored prefix", store=store)
             info.t.update(request=t_request, sent=time.time())
@@ -291,8 +312,11 @@ class Fetcher:
             info.scheme, info.scheme_id, info.key = scheme.name, scheme.identity, key
             t_get = time.perf_counter()
             try:
-                call = self.calls.submit(self._get, key, deadline=deadline)
-                data, tier = self.calls.wait([call], deadline, f"chunk {i}")[0]
+                if plan.local_only:  # on this thread: the pool may be full of the sick store's calls
+                    data, tier = self.store.get_local(key), LOCAL
+                else:
+                    call = self.calls.submit(self._get, key, deadline=deadline)
+                    data, tier = self.calls.wait([call], deadline, f"chunk {i}")[0]
                 data = data or b""
             except StoreTimeout:
                 errors.append(f"timeout: the store did not answer within {why}")

@@ -7,7 +7,8 @@ reboot) answers first:
 
 - ``get``: the local copy if there is one (its use time refreshed, for eviction), else the
   remote's, which is then kept locally; ``get_tiered`` also says which tier answered
-  (``"local"`` / ``"remote"``), so the fetcher prices the two links apart;
+  (``"local"`` / ``"remote"``), so the fetcher prices the two links apart; ``get_local``: the
+  local copy alone (read while the remote store's breaker keeps it out);
 - ``exists``: local, else remote (a chunk held locally costs no remote look-up); ``holds_locally``:
   the local store alone;
 - ``put``: the remote first (its answer is returned: a create there is the one that counts), then
@@ -55,10 +56,8 @@ class TieredStore(KVStore):
 
     # -- reads -------------------------------------------------------------------------------
     def get_tiered(self, key: str) -> Tuple[Optional[bytes], str]:
-        data = self._local(self.local.get, key)
+        data = self.get_local(key)
         if data:
-            self._count("local_hits")
-            self._local(getattr(self.local, "touch", lambda k: None), key)
             return data, LOCAL
         data = self.remote.get(key)
         if data:
@@ -68,6 +67,14 @@ class TieredStore(KVStore):
 
     def get(self, key: str) -> Optional[bytes]:
         return self.get_tiered(key)[0]
+
+    def get_local(self, key: str) -> Optional[bytes]:
+        """The local copy, or None (the remote store is not asked: it is kept out)."""
+        data = self._local(self.local.get, key)
+        if data:
+            self._count("local_hits")
+            self._local(getattr(self.local, "touch", lambda k: None), key)
+        return data or None
 
     def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
         data = self._local(self.local.get_range, key, start, end)

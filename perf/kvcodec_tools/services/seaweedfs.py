@@ -48,8 +48,10 @@ class SeaweedS3:
                  secret_key: Optional[str] = None, bucket: str = "kvcodec", prefix: str = "kv",
                  base_port: Optional[int] = None, wrap: Wrap = None, volume_size_mb: int = 64,
                  tls: Optional[Tuple[Path, Path]] = None, webdav: bool = False,
-                 volume_max: Optional[int] = None) -> None:
+                 volume_max: Optional[int] = None, domain: Optional[str] = None) -> None:
         """``tls``: (certificate chain, private key) PEM files: S3 over HTTPS too, at ``https_endpoint``.
+        ``domain``: virtual-hosted buckets too, at ``<bucket>.<domain>`` (a client that addresses
+        buckets only that way: LMCache's S3 adapter; the name must resolve to ``host``).
         ``webdav``: also SeaweedFS's WebDAV server (no authentication) at ``webdav_url``, an HTTP store.
         ``volume_max`` (with ``volume_size_mb``): a store that fills up at about their product."""
         if not _BUCKET.match(bucket):
@@ -68,6 +70,7 @@ class SeaweedS3:
         self.port = self.ports["s3"]
         self.wrap, self.volume_size_mb = wrap, int(volume_size_mb)
         self.volume_max = volume_max
+        self.domain = domain
         self.run_dir = self.root / "seaweedfs"
         self.log = self.run_dir / "weed.log"
         listen_host = f"[{host}]" if ":" in host else host
@@ -104,7 +107,8 @@ class SeaweedS3:
                 f"-filer.localSocket={self.run_dir / 'filer.sock'}", f"-s3.localSocket={self.run_dir / 's3.sock'}",
                 f"-bucket={self.bucket}"] + (
                     [f"-s3.port.https={p['s3https']}", f"-s3.cert.file={self.tls[0]}", f"-s3.key.file={self.tls[1]}"]
-                    if self.tls else []) + ([f"-volume.max={int(self.volume_max)}"] if self.volume_max else [])
+                    if self.tls else []) + ([f"-volume.max={int(self.volume_max)}"] if self.volume_max else []) + (
+                    [f"-s3.domainName={self.domain}"] if self.domain else [])
 
     def _answers(self) -> bool:
         """The S3 gateway answers a bucket listing (anonymous or signed with our key) with 200."""
