@@ -413,6 +413,7 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
                 after = redis_info(address, password) if base != "prefill" else {}
                 local = (sum(a.get("local_tokens") or 0 for a in answers) if base == "kvcodec-ensemble"
                          else server.metrics().get("vllm:prefix_cache_hits_total"))
+                rungs = rung_chunks(server.metrics_text()) if base.startswith("kvcodec-vllm-serve") else None
                 # LMCache's serde is the same at every rate, and its server reads the whole prefix from
                 # Redis for each of the gate's requests (vLLM holds it): its gate at the fastest rate only
                 gated = clients == config.clients[0] and (not base.startswith("lmcache") or rate == max(config.bandwidths))
@@ -435,7 +436,7 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
                 + (f"; gate mean KL {gate['mean_kl']}, top-1 {gate['top1_agreement']}, passes {gate['passes']}"
                    if gate else ""))
             if base.startswith("kvcodec-vllm-serve"):
-                row.update(rungs=rung_chunks(server.metrics_text()), costs=cost_summary(
+                row.update(rungs=rungs, costs=cost_summary(
                     work / "home" / "costs.json", config.chunk_tokens))
             rows.append(row)
     return rows
