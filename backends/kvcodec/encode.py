@@ -44,6 +44,7 @@ class ChunkEncoder:
         self.layout = get_layout(scheme.layout, **scheme.layout_params)
         self.codec = make_coder(scheme, threads=threads)
         self.last_decode_s = 0.0
+        self.last_restore_s = 0.0
 
     def encode(self, kv: np.ndarray, key: str, chunk_index: int, token_start: int) -> bytes:
         g = Geometry.of(kv)
@@ -76,6 +77,17 @@ class ChunkEncoder:
         # The digest of what a decoder must return: it catches a damaged bitstream that still
         # decodes, and any decoder (NVDEC or software) that is not bit-exact.
         header["planes_digest"] = planes_digest(decoded)
+        self.last_restore_s = self._time_restore(decoded, side, g, at)
         sections = dict(side)
         sections[PAYLOAD] = payload
         return Container(header, sections).to_bytes(self.auth)
+
+    def _time_restore(self, decoded: np.ndarray, side: dict, geometry: Geometry, at: dict) -> float:
+        """Seconds to restore the decoded planes to KV on this machine's CPU, as a reader's restore step
+        does (``serving.restore``): what write-back and ingest tell the cost model (``serving.costs``)."""
+        from .layout.tensors import CPU
+
+        t0 = time.perf_counter()
+        self.layout.from_planes_torch(decoded, dict(side), geometry, CPU, **at)
+        return time.perf_counter() - t0
+

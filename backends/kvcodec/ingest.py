@@ -92,7 +92,7 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
     def finish_oldest() -> None:
         fp16, jobs = pending.popleft()
         for s, key, job in jobs:
-            data, encode_s, decode_s = job.result()
+            data, encode_s, decode_s, restore_s = job.result()
             rung = report.rungs[rung_name(s)]
             rung.encode_s += encode_s
             rung.decode_s += decode_s
@@ -101,7 +101,7 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
                 rung.bytes_written += len(data)
                 rung.fp16_bytes += fp16
             if costs is not None:
-                costs.observe_rung(s.identity, chunk_tokens, len(data), decode_s)
+                costs.observe_rung(s.identity, chunk_tokens, len(data), decode_s, restore_s)
         if progress:
             progress(1)
 

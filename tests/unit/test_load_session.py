@@ -172,8 +172,10 @@ def test_torch_chunks_stay_torch_from_the_step_into_the_blocks():
 
 
 def test_write_back_prices_every_rung_it_stores_for_the_adaptive_ladder(tmp_path):
-    """A rung that only write-back stores must be priced (size, decode time on this machine) before
-    any reader reads it: unpriced, it keeps the pessimistic prior and the ladder never picks it."""
+    """A rung that only write-back stores must be priced (size, decode and restore time on this
+    machine) before any reader reads it: unpriced, it keeps the pessimistic prior and the ladder never
+    picks it; its restore unpriced, a rung whose restore is slow (kvtc-w's inverse transform) ties
+    with a faster one and wins by ladder order."""
     from kvcodec.serving.costs import PRIOR_DECODE_S_PER_TOKEN, CostModel
 
     store = open_store(f"file://{tmp_path / 'store'}")
@@ -187,6 +189,7 @@ def test_write_back_prices_every_rung_it_stores_for_the_adaptive_ladder(tmp_path
         assert costs.known(s.identity)
         rung = costs.rung(s.identity)
         assert 0 < rung.decode_s_per_token < PRIOR_DECODE_S_PER_TOKEN
+        assert "restore_s_per_token" in costs.data["rungs"][s.identity] and rung.restore_s_per_token > 0
     raw, int8 = (costs.rung(s.identity).bytes_per_token for s in schemes)
     assert int8 < raw  # the sizes as stored
     assert CostModel(tmp_path / "costs.json").known(schemes[1].identity)  # shared through the home's file

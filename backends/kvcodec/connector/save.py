@@ -12,7 +12,8 @@
   every store's ``put``), unless the store holds it already (a key named in ``replace``, whose
   stored copy was found corrupt, is overwritten); ``save`` returns ``Saved(written, present)``. ``keys(ids, index)`` are the chunk's keys at each rung. Each thread gets its own encoders
   (an encoder holds a check decoder), so ingest may run several at once. ``encode(scheme, kv, key,
-  index, start)`` returns ``(bytes, encode_s, check_decode_s)`` for callers that store themselves.
+  index, start)`` returns ``(bytes, encode_s, check_decode_s, check_restore_s)`` for callers that store
+  themselves (the encoder decodes and restores its own output once: what a reader here pays).
   Write-back runs it through ``connector.WriteBackSink`` (off the request's path).
 """
 from __future__ import annotations
@@ -83,14 +84,14 @@ class SaveTracker(Generic[R]):
 
 
 class ChunkSaver:
-    """Encodes a chunk at each rung and stores it. ``observe(identity, tokens, nbytes, decode_s)``, when
-    given (the cost model's ``observe_rung``), hears each rung's size and its decode time on this
-    machine (the encoder decodes its own output once): a rung stored by write-back is priced before
-    any reader has read it, so the adaptive ladder can choose it."""
+    """Encodes a chunk at each rung and stores it. ``observe(identity, tokens, nbytes, decode_s,
+    restore_s)``, when given (the cost model's ``observe_rung``), hears each rung's size and its decode
+    and restore time on this machine (the encoder decodes and restores its own output once): a rung
+    stored by write-back is priced before any reader has read it, so the adaptive ladder can choose it."""
 
     def __init__(self, store: KVStore, model_id: str, schemes: Sequence[Scheme], chunk_tokens: int, *,
                  auth: ChunkAuth, threads: int = 1,
-                 observe: Optional[Callable[[str, int, int, float], None]] = None) -> None:
+                 observe: Optional[Callable[[str, int, int, float, float], None]] = None) -> None:
         self.store = store
         self.observe = observe
         self.model_id = model_id
@@ -114,11 +115,12 @@ class ChunkSaver:
         return tuple(chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=index + 1)[index]
                      for s in self.schemes)
 
-    def encode(self, scheme: Scheme, kv: np.ndarray, key: str, index: int, start: int) -> Tuple[bytes, float, float]:
+    def encode(self, scheme: Scheme, kv: np.ndarray, key: str, index: int,
+               start: int) -> Tuple[bytes, float, float, float]:
         enc = self._encoder(scheme)
         t = time.perf_counter()
         data = enc.encode(kv, key, index, start)
-        return data, time.perf_counter() - t, enc.last_decode_s
+        return data, time.perf_counter() - t, enc.last_decode_s, enc.last_restore_s
 
     def save(self, keys: Sequence[str], index: int, start: int, kv: np.ndarray,
              replace: FrozenSet[str] = frozenset()) -> "Saved":
@@ -129,10 +131,10 @@ class ChunkSaver:
             if key not in replace and self.store.exists(key):
                 saved.present += 1
                 continue
-            data, encode_s, decode_s = self.encode(scheme, kv, key, index, start)
+            data, encode_s, decode_s, restore_s = self.encode(scheme, kv, key, index, start)
             if self.observe is not None:
                 try:
-                    self.observe(scheme.identity, self.chunk_tokens, len(data), decode_s)
+                    self.observe(scheme.identity, self.chunk_tokens, len(data), decode_s, restore_s)
                 except Exception as exc:  # noqa: BLE001 - a cost model that cannot be written never fails a write
                     log.warning("write-back: could not record %s's cost: %s", rung_name(scheme), exc)
             if self.store.put(key, data, overwrite=key in replace):

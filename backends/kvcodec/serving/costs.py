@@ -3,7 +3,8 @@
 ``CostModel`` keeps, per rung (a scheme identity), bytes, decode and restore seconds per token;
 per store URL, the link's rate (bytes/s) and round-trip seconds; and the prefill seconds per
 token of the engine. Each is an exponentially weighted average of what was measured: ingest
-records bytes and decode time (the encoder decodes its own output once) and prefill time; the
+records bytes, decode and restore time (the encoder decodes and restores its own output once; so
+does write-back, for each rung it stores) and prefill time; the
 ``kv_fetch`` step records each transfer; the ``llm`` step records each chunk's decode and restore
 time and each prefill. The values live in one small JSON file (``<home>/costs.json``) so the
 serving steps, which run in separate processes, share them; writes merge under a file lock and
