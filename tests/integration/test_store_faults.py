@@ -72,7 +72,7 @@ def sick(settings, tokenizer, tmp_path_factory):
             client.generate(ids, TOKENS, reuse=False)  # warm-up
             prefill = client.generate(ids, TOKENS, reuse=False)
             yield {"nginx": nginx, "proxy": proxy, "client": client, "ids": ids, "prefill": prefill,
-                   "metrics": metrics, "costs": home / "costs.json", "seen": {}}
+                   "metrics": metrics, "costs": home / "costs.json", "seen": {}, "served": served}
     finally:
         proxy.close()
         nginx.stop()
@@ -160,3 +160,33 @@ def test_the_breaker_skips_a_dead_store_without_waiting(sick):
         after.append(client.generate(ids, TOKENS, reuse=True))
     assert after[-1].reused_tokens == STORED, [a.stats.get("miss_reason") for a in after]
     print(f"store fault figures: {sick['seen']}")
+
+
+def test_a_local_tier_serves_a_hot_prefix_while_the_store_is_dead(sick, tokenizer, tmp_path):
+    """``KVCODEC_LOCAL_STORE`` in the ensemble: a second server, the same store behind the same proxy,
+    a local tier in front. Read once through the proxy, the prefix is kept locally; with the store
+    dead (accepting, never answering) it is still reused, from the local tier, with no connection to
+    the store; and once another prompt's look-up has opened the breaker, still so."""
+    proxy, ids = sick["proxy"], sick["ids"]
+    tiered = replace(sick["served"], home=tmp_path, local_store=f"file://{tmp_path / 'local'}", local_store_mb=64)
+    with own_server(tiered, "local-tier") as (server, _):
+        client = KVCodecClient(server.grpc_url, "grpc", timeout_s=120)
+        first = client.generate(ids, TOKENS, reuse=True)
+        assert first.reused_tokens == STORED and first.stats["tiers"] == {"remote": 3}, first.stats
+        proxy.set_mode("blackhole")
+        try:
+            accepted = sum(proxy.accepted.values())
+            hot = client.generate(ids, TOKENS, reuse=True)
+            assert hot.reused_tokens == STORED and hot.stats["tiers"] == {"local": 3}, hot.stats
+            assert hot.tokens == first.tokens == sick["prefill"].tokens
+            assert sum(proxy.accepted.values()) == accepted  # the store was not asked
+            other = tokenizer.encode(text_of(tokenizer, "locale.py", 800) + QUESTION)
+            cold = client.generate(other, TOKENS, reuse=True)  # its look-up goes to the dead store
+            assert cold.reused_tokens == 0 and "timed out" in cold.stats["miss_reason"], cold.stats
+            kept_out = client.generate(ids, TOKENS, reuse=True)
+            assert kept_out.stats["store"]["breaker"] in ("open", "half-open"), kept_out.stats["store"]
+            assert kept_out.reused_tokens == STORED and kept_out.stats["tiers"] == {"local": 3}
+            assert kept_out.tokens == first.tokens
+        finally:
+            proxy.set_mode("ok")
+
