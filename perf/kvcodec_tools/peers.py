@@ -1,13 +1,15 @@
 """``kvcodec bench peers``: this project against LMCache, side by side, one run, one machine.
 
 The same model (the embedded SmolLM2 on vLLM's CPU build, float32), the same held-out texts
-(standard-library modules cut to ``--context-tokens``, a question after each), the same Redis
-server behind the same shaped link (``kvcodec_tools.shaping``: netns + tc, else the userspace
-shaper) at each ``--bandwidth-mbps``. Methods (``--methods``):
+(standard-library modules cut to ``--context-tokens``, a question after each), the same store
+(``--store``: a Redis server, or SeaweedFS's S3 gateway, which LMCache's ``s3`` adapter reaches
+virtual-hosted at ``<bucket>.s3.peers.test``, a name the run adds to /etc/hosts) behind the same
+shaped link (``kvcodec_tools.shaping``: netns + tc, else the userspace shaper; S3: netns only) at
+each ``--bandwidth-mbps``. Methods (``--methods``):
 
 - ``prefill``: vLLM's OpenAI server, no connector, its prefix cache off;
 - ``lmcache`` / ``lmcache-fp8``: vLLM + LMCache in its multiprocess mode (``LMCacheMPConnector``,
-  an ``lmcache server`` with Redis as its L2 through ``resp``; ``fp8``: its fp8 serde), from
+  an ``lmcache server`` with the store as its L2 through ``resp`` or ``s3``; ``fp8``: its fp8 serde), from
   ``.venv-lmcache`` (``make setup-lmcache``);
 - ``lmcache-ram``: LMCache lossless with one ``lmcache server`` for the populating and the measuring
   vLLM: a new vLLM reads the prefix from the server's RAM tier (L1), not across the link (LMCache's
@@ -28,8 +30,9 @@ so every reuse crosses the link (KVCodec's servers keep one home across the two,
 server does: its cost model has seen the prefills and the link). vLLM's prefix cache is on, as
 users run it; the prompts share no block, so nothing measured is served locally
 (``local_hit_tokens``: vLLM's ``prefix_cache_hits`` counter, the ensemble's ``local_tokens``, 0).
-Per row: TTFT (streamed, first token), the tokens (8, greedy) against prefill's, the bytes Redis
-sent per reused token, CPU seconds and peak RSS of every process of the method (LMCache's server
+Per row: TTFT (streamed, first token), the tokens (8, greedy) against prefill's, the bytes the store
+sent per reused token (Redis's ``INFO``; S3: the bytes the link's veth carried from it, headers
+included), CPU seconds and peak RSS of every process of the method (LMCache's server
 included); with ``--clients 4`` the prompts go 4 at a time. After the one-client measurement the
 same server answers the quality gate (``kvcodec_tools.quality.served_gate``: teacher-forced on
 prefill's greedy path, mean KL and top-1 agreement over its top-5000 log-probabilities; the lossy
@@ -58,7 +61,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -73,6 +76,7 @@ QUESTION = "\n\n# Question: what does the code above do?\n# Answer:"
 ANSWER_TOKENS = 8
 # the adaptive rows' ladder: stored at every rung by write-back, chosen per chunk over the measured link
 ADAPTIVE_LADDER = "kvtc-w,int8-zstd,raw"
+STORES = ("redis", "s3")
 
 
 @dataclass
@@ -85,6 +89,7 @@ class PeersConfig:
     delay_ms: float = 1.0
     link_mode: str = "auto"
     chunk_tokens: int = 256
+    store: str = "redis"  # redis | s3 (SeaweedFS): the one store every method uses
 
 
 def method_parts(method: str) -> Tuple[str, Optional[str]]:
@@ -151,20 +156,85 @@ class Footprint:
                 for n in self.roots}
 
 
-# -- Redis behind the link ---------------------------------------------------------------------------
+# -- the store behind the link ------------------------------------------------------------------------
+@dataclass
+class PeersStore:
+    """One store behind the link, as every method sees it: KVCodec's ``url`` (and ``env``, the
+    variables its servers need), LMCache's L2 ``adapter``, ``sent()`` (bytes the store has sent so
+    far) and ``settle()`` (returns once the writes off the requests' path are done)."""
+
+    kind: str
+    url: str
+    adapter: dict
+    env: Dict[str, str]
+    sent: Callable[[], int]
+    settle: Callable[[], None]
+
+
 @contextlib.contextmanager
-def redis_behind_link(root: Path, rate: float, config: PeersConfig) -> Iterator[Tuple[str, str, int, object]]:
-    """(URL as seen from here, password, the host and port, the link)."""
-    from kvcodec_tools.ports import free_ports
-    from kvcodec_tools.services.redis import RedisServer
+def store_behind_link(root: Path, rate: float, config: PeersConfig) -> Iterator[Tuple[PeersStore, object]]:
+    """``config.store``'s server (``redis``: Redis; ``s3``: SeaweedFS's S3) behind a new shaped link."""
     from kvcodec_tools.shaping import open_link
 
-    password = secrets.token_hex(12)
     with open_link(rate, config.delay_ms, config.link_mode) as link:
-        (port,) = free_ports(1)
-        with RedisServer(root / f"redis-{rate:g}", link.server_host, port, password, wrap=link.wrap):
-            host, exposed = link.expose(port)
-            yield f"redis://:{password}@{host}:{exposed}/0", password, (host, exposed), link
+        opened = redis_store(root, rate, link) if config.store == "redis" else s3_store(root, rate, link)
+        with opened as store:
+            yield store, link
+
+
+@contextlib.contextmanager
+def redis_store(root: Path, rate: float, link) -> Iterator[PeersStore]:
+    from kvcodec_tools.ports import free_ports
+    from kvcodec_tools.services.redis import RedisServer
+
+    password = secrets.token_hex(12)
+    (port,) = free_ports(1)
+    with RedisServer(root / f"redis-{rate:g}", link.server_host, port, password, wrap=link.wrap):
+        host, exposed = link.expose(port)
+        address = (host, exposed)
+        yield PeersStore("redis", f"redis://:{password}@{host}:{exposed}/0",
+                         {"type": "resp", "host": host, "port": exposed, "password": password}, {},
+                         lambda: redis_info(address, password).get("total_net_output_bytes", 0),
+                         lambda: settle(lambda: redis_info(address, password).get("keys", 0)))
+
+
+S3_DOMAIN = "s3.peers.test"  # LMCache's S3 adapter addresses buckets virtual-hosted only: <bucket>.<domain>
+S3_BUCKET = "kvpeers"
+
+
+@contextlib.contextmanager
+def s3_store(root: Path, rate: float, link) -> Iterator[PeersStore]:
+    """SeaweedFS's S3 gateway in the link's namespace (netns links only: the bytes it sends are the
+    veth's), virtual-hosted buckets on, ``<bucket>.<S3_DOMAIN>`` in /etc/hosts."""
+    from kvcodec_tools.services.seaweedfs import SeaweedS3
+
+    veth = getattr(link, "veth", None)
+    if not veth:
+        raise SystemExit("kvcodec bench peers --store s3 needs a netns link (root): the bytes S3 sends are the veth's")
+    key, secret = "peers-" + secrets.token_hex(4), secrets.token_hex(16)
+    with SeaweedS3(root / f"s3-{rate:g}", link.server_host, key, secret, bucket=S3_BUCKET, prefix="kv",
+                   wrap=link.wrap, domain=S3_DOMAIN).start(timeout_s=120) as weed:
+        host, exposed = link.expose(weed.port)
+        resolve(f"{S3_BUCKET}.{S3_DOMAIN}", host)
+        env = dict(weed.environ(), AWS_ENDPOINT_URL_S3=f"http://{host}:{exposed}")
+        received = Path(f"/sys/class/net/{veth[0]}/statistics/rx_bytes")  # host side: what the store sent
+        sent = lambda: int(received.read_text())  # noqa: E731
+        yield PeersStore("s3", weed.url, {"type": "s3", "s3_endpoint": f"{S3_BUCKET}.{S3_DOMAIN}:{exposed}",
+                                          "s3_region": "us-east-1", "disable_tls": True,
+                                          "aws_access_key_id": key, "aws_secret_access_key": secret},
+                         env, sent, lambda: settle(sent))
+
+
+def resolve(name: str, address: str, hosts: Path = Path("/etc/hosts")) -> None:
+    """``name`` resolves to ``address``: a line in ``hosts`` (added when missing; root)."""
+    line = f"{address} {name}"
+    text = hosts.read_text()
+    if any(row.split()[:2] == [address, name] for row in text.splitlines() if row.strip()):
+        return
+    try:
+        hosts.write_text(text.rstrip("\n") + f"\n{line}\n")
+    except OSError as exc:
+        raise SystemExit(f"kvcodec bench peers --store s3: add '{line}' to {hosts} ({exc.strerror})") from None
 
 
 def redis_info(address: Tuple[str, int], password: str) -> Dict[str, int]:
@@ -187,14 +257,14 @@ def redis_info(address: Tuple[str, int], password: str) -> Dict[str, int]:
     return out
 
 
-def settle(address: Tuple[str, int], password: str, quiet_s: float = 8.0, limit_s: float = 600.0) -> int:
-    """Wait until Redis's key count stops growing for ``quiet_s`` (the stores off the request's path
-    are done); the count."""
+def settle(count: Callable[[], int], quiet_s: float = 8.0, limit_s: float = 600.0) -> int:
+    """Wait until ``count()`` (the store's keys, or the bytes it has moved) stops changing for
+    ``quiet_s`` (the stores off the request's path are done); the count."""
     deadline, last, since = time.monotonic() + limit_s, -1, time.monotonic()
     while time.monotonic() < deadline:
-        keys = redis_info(address, password).get("keys", 0)
-        if keys != last:
-            last, since = keys, time.monotonic()
+        n = count()
+        if n != last:
+            last, since = n, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
             break
         time.sleep(1.0)
@@ -213,9 +283,8 @@ LOGPROBS_ARGS = ["--max-logprobs", "5000"]
 
 
 @contextlib.contextmanager
-def method_server(method: str, model: Path, root: Path, store_url: str, redis_host_port: Tuple[str, int],
-                  password: str, config: PeersConfig, prefix_cache: bool, footprint: Footprint,
-                  lmcache: Optional[Tuple[int, int]] = None) -> Iterator[object]:
+def method_server(method: str, model: Path, root: Path, store: PeersStore, config: PeersConfig, prefix_cache: bool,
+                  footprint: Footprint, lmcache: Optional[Tuple[int, int]] = None) -> Iterator[object]:
     """The method's server (and LMCache's server, unless ``lmcache`` (its port, pid) is one already
     running), ready: vLLM's OpenAI server, or the Triton ensemble behind ``EnsembleServer``'s two calls."""
     from kvcodec_tools.services.vllm_serve import VllmServe
@@ -229,12 +298,12 @@ def method_server(method: str, model: Path, root: Path, store_url: str, redis_ho
             yield server
         return
     if base == "kvcodec-ensemble":
-        with ensemble_server(root, store_url, rung, prefix_cache) as server:
+        with ensemble_server(root, store, rung, prefix_cache) as server:
             footprint.watch("tritonserver", server.pid)
             yield server
         return
     if base in ("kvcodec-vllm-serve", "kvcodec-vllm-serve-ram"):
-        env = {"KVCODEC_HOME": str(root.parent / "home"), "KVCODEC_STORE": store_url,  # one home: its cost model
+        env = {**store.env, "KVCODEC_HOME": str(root.parent / "home"), "KVCODEC_STORE": store.url,  # one home: costs
                "KVCODEC_MODEL_CACHE": str(REPO / ".cache" / "models"), "KVCODEC_THREADS": "1",
                "KVCODEC_CHUNK_KEY": _chunk_key(root.parent), "KVCODEC_LADDER": rung or ADAPTIVE_LADDER,
                "KVCODEC_WRITEBACK": rung or ADAPTIVE_LADDER, "KVCODEC_ADAPTIVE": "0" if rung else "1",
@@ -247,8 +316,7 @@ def method_server(method: str, model: Path, root: Path, store_url: str, redis_ho
             footprint.watch("vllm", server.process.pid)
             yield server
         return
-    running = contextlib.nullcontext(lmcache) if lmcache else lmcache_server(root, redis_host_port, password,
-                                                                              fp8=base == "lmcache-fp8")
+    running = contextlib.nullcontext(lmcache) if lmcache else lmcache_server(root, store, fp8=base == "lmcache-fp8")
     with running as (lm_port, lm_pid):
         footprint.watch("lmcache-server", lm_pid)
         transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
@@ -281,7 +349,7 @@ class EnsembleServer:
 
 
 @contextlib.contextmanager
-def ensemble_server(root: Path, store_url: str, rung: Optional[str], prefix_cache: bool) -> Iterator[EnsembleServer]:
+def ensemble_server(root: Path, store: PeersStore, rung: Optional[str], prefix_cache: bool) -> Iterator[EnsembleServer]:
     """A real tritonserver on the model repository, vLLM engine, the store behind the link; one
     home across the populating and measuring servers (its cost model), as ``kvcodec-vllm-serve``."""
     from kvcodec.settings import Settings
@@ -294,16 +362,31 @@ def ensemble_server(root: Path, store_url: str, rung: Optional[str], prefix_cach
         key_file.write_text(_chunk_key(root.parent) + "\n")
         key_file.chmod(0o600)
     ladder = rung or ADAPTIVE_LADDER
-    settings = Settings.load({"home": str(root.parent / "home"), "store": store_url, "engine": "vllm",
+    settings = Settings.load({"home": str(root.parent / "home"), "store": store.url, "engine": "vllm",
                               "model_cache": str(REPO / ".cache" / "models"), "threads": "1", "ladder": ladder,
                               "writeback": ladder, "adaptive": "0" if rung else "1", "key_file": str(key_file),
                               "writeback_pending": "4096", "prefix_cache": "1" if prefix_cache else "0"}, env={})
     server = TritonServer(DEFAULT_REPOSITORY, settings, Ports(*free_ports(3)), log_path=root / "tritonserver.log")
-    server.start(timeout_s=600)
+    with patched_environ(store.env):  # the store's variables (S3's endpoint and keys) for the server to inherit
+        server.start(timeout_s=600)
     try:
         yield EnsembleServer(server)
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def patched_environ(values: Dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _chunk_key(root: Path) -> str:
@@ -315,13 +398,13 @@ def _chunk_key(root: Path) -> str:
 
 
 @contextlib.contextmanager
-def lmcache_server(root: Path, redis: Tuple[str, int], password: str, fp8: bool) -> Iterator[Tuple[int, int]]:
-    """``lmcache server`` with Redis as its L2 (``resp``), as measured to work on this CPU build
-    (``../shared/FINDINGS.md``); (its port, its pid)."""
+def lmcache_server(root: Path, store: PeersStore, fp8: bool) -> Iterator[Tuple[int, int]]:
+    """``lmcache server`` with the store as its L2 (``resp`` for Redis, as measured to work on this CPU
+    build, ``../shared/FINDINGS.md``; ``s3``); (its port, its pid)."""
     from kvcodec_tools.procs import Process
 
     port, http_port, prom_port = _port(), _port(), _port()
-    adapter = {"type": "resp", "host": redis[0], "port": redis[1], "password": password}
+    adapter = dict(store.adapter)
     if fp8:
         adapter["serde"] = {"type": "fp8"}
     cmd = [str(LMCACHE_VENV / "bin" / "lmcache"), "server", "--port", str(port), "--http-port", str(http_port),
@@ -383,34 +466,32 @@ def gate_row(method: str, server, texts: List[str], reference: Reference) -> Opt
     return served_gate.verdict([reference.gate[t][2] for t in texts], tested)
 
 
-def run_method(method: str, rate: float, model: Path, work: Path, texts: List[str], store: tuple,
+def run_method(method: str, rate: float, model: Path, work: Path, texts: List[str], store: PeersStore,
                config: PeersConfig, reference: Reference, log=print) -> List[dict]:
-    url, password, address = store
     rows = []
     footprint = Footprint()
     base, rung = method_parts(method)
     # lmcache-ram: one LMCache server for the populating and the measuring vLLM (its RAM tier)
-    with (lmcache_server(work / "lmcache", address, password, fp8=False) if base == "lmcache-ram"
+    with (lmcache_server(work / "lmcache", store, fp8=False) if base == "lmcache-ram"
           else contextlib.nullcontext()) as shared, removed(ram_tier(work)):
         if base != "prefill":  # a first server computes every prompt and stores its KV
-            with method_server(method, model, work / "populate", url, address, password, config, True,
-                               footprint, shared) as server:
+            with method_server(method, model, work / "populate", store, config, True, footprint, shared) as server:
                 for text in texts:
                     server.completion(text, 1)
-                settle(address, password)  # write-back / LMCache's store to L2 finishes off the request's path
+                store.settle()  # write-back / LMCache's store to L2 finishes off the request's path
         # a static rung's rows show what the ladder chooses between: one client (the first count) is enough
         for clients in (config.clients[:1] if rung else config.clients):
-            before = redis_info(address, password) if base != "prefill" else {}
+            before = store.sent() if base != "prefill" else 0
             # vLLM's prefix cache on (the prompts share no block: nothing of them is local, which
             # ``local_hit_tokens`` shows); the ensemble's off (its steps would fetch regardless)
-            with method_server(method, model, work / f"measure-{clients}", url, address, password, config,
+            with method_server(method, model, work / f"measure-{clients}", store, config,
                                base != "kvcodec-ensemble", footprint, shared) as server:
                 server.completion("Hello", 1)  # the server's one-time costs, no stored chunk
                 t0 = time.monotonic()
                 answers = measure(server, texts, clients)
                 footprint.sample()
                 wall = time.monotonic() - t0
-                after = redis_info(address, password) if base != "prefill" else {}
+                after = store.sent() if base != "prefill" else 0
                 local = (sum(a.get("local_tokens") or 0 for a in answers) if base == "kvcodec-ensemble"
                          else server.metrics().get("vllm:prefix_cache_hits_total"))
                 rungs = rung_chunks(server.metrics_text()) if base.startswith("kvcodec-vllm-serve") else None
@@ -418,7 +499,7 @@ def run_method(method: str, rate: float, model: Path, work: Path, texts: List[st
                 # Redis for each of the gate's requests (vLLM holds it): its gate at the fastest rate only
                 gated = clients == config.clients[0] and (not base.startswith("lmcache") or rate == max(config.bandwidths))
                 gate = gate_row(method, server, texts, reference) if gated else None
-            sent = after.get("total_net_output_bytes", 0) - before.get("total_net_output_bytes", 0)
+            sent = after - before
             reused = sum((config.context_tokens // config.chunk_tokens) * config.chunk_tokens for _ in texts)
             ttfts = [a["ttft_s"] for a in answers]
             if base == "prefill" and clients == config.clients[0]:
@@ -510,10 +591,10 @@ def run_peers(config: PeersConfig, json_path: Path, plot_path: Optional[Path], w
         for method in methods:
             print(f"[{rate:g} Mbit/s] {method}", flush=True)
             try:
-                with redis_behind_link(work, rate, config) as (url, password, address, link):
+                with store_behind_link(work, rate, config) as (store, link):
                     rows += run_method(method, rate, files.path, work / f"{rate:g}" / method.replace(":", "-"),
-                                       texts, (url, password, address), config, reference)
-                    link_info = link.describe()
+                                       texts, store, config, reference)
+                    link_info = dict(link.describe(), store=store.kind)
                 rows[-1]["link"] = link_info
             except Exception as exc:  # one method's failure is its row; the others still run
                 print(f"  {method} @ {rate:g} Mbit/s failed: {type(exc).__name__}: {exc}", flush=True)
@@ -580,8 +661,11 @@ def register(sub) -> None:
     p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto")
     p.add_argument("--json", default=str(RESULTS))
     p.add_argument("--plot", default=None, help="the plot (default: --json's path with .png; \"\": none)")
+    p.add_argument("--store", choices=STORES, default="redis",
+                   help="the store behind the link: Redis, or SeaweedFS's S3 (LMCache's s3 adapter; netns links)")
     p.add_argument("--work", default=str(REPO / ".cache" / "peers"))
     p.set_defaults(func=lambda a: run_peers(
-        PeersConfig(a.bandwidth_mbps, a.context_tokens, a.contexts, a.clients, a.methods, a.delay_ms, a.link_mode),
+        PeersConfig(a.bandwidth_mbps, a.context_tokens, a.contexts, a.clients, a.methods, a.delay_ms, a.link_mode,
+                    store=a.store),
         Path(a.json), Path(a.json).with_suffix(".png") if a.plot is None else Path(a.plot) if a.plot else None,
         Path(a.work)))

@@ -9,7 +9,17 @@ import pytest
 from kvcodec.engines.gguf import ensure_model
 from kvcodec.engines.tokenizer import Tokenizer
 from kvcodec.serving.costs import CostModel
-from kvcodec_tools.peers import QUESTION, PeersConfig, cost_summary, method_parts, prompts, rung_chunks, summarize
+from kvcodec_tools.peers import (
+    QUESTION,
+    PeersConfig,
+    cost_summary,
+    method_parts,
+    prompts,
+    resolve,
+    rung_chunks,
+    settle,
+    summarize,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,6 +50,19 @@ def test_rows_say_which_rungs_were_read_and_what_the_cost_model_held(tmp_path):
     assert s["per_chunk"] == {"int8-zstd": {"mb": 2.56, "decode_s": 0.01, "restore_s": 0.03}}
     assert s["link_mb_per_s"] == [200.0]
     assert cost_summary(tmp_path / "absent.json", 256) is None
+
+
+def test_the_s3_bucket_name_is_added_to_the_hosts_file_once(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n")
+    for _ in range(2):
+        resolve("kvpeers.s3.peers.test", "127.0.0.1", hosts)
+    assert hosts.read_text() == "127.0.0.1 localhost\n127.0.0.1 kvpeers.s3.peers.test\n"
+
+
+def test_settle_waits_until_the_count_stops_changing():
+    counts = iter([1, 2, 3, 3, 3, 3])
+    assert settle(lambda: next(counts), quiet_s=1.5) == 3
 
 
 def test_summary_percentiles():
