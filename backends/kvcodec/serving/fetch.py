@@ -119,6 +119,18 @@ class Estimate:
                 f"decode {self.decode_s:.3f}, restore {self.restore_s:.3f})")
 
 
+def _runs(schemes: Sequence[Scheme], all_keys: Sequence[Sequence[str]],
+          present: Dict[str, bool]) -> List[Tuple[Scheme, List[str]]]:
+    """Per rung, the keys of its run of present chunks from the first."""
+    runs = []
+    for scheme, keys in zip(schemes, all_keys, strict=True):
+        n = 0
+        while n < len(keys) and present[keys[n]]:
+            n += 1
+        runs.append((scheme, list(keys[:n])))
+    return runs
+
+
 class Fetcher:
     def __init__(self, store: KVStore, model_id: str, codecs: Sequence[str], chunk_tokens: int,
                  costs: Optional[CostModel] = None, adaptive: bool = False, deadline_s: float = 0.0,
@@ -145,36 +157,30 @@ class Fetcher:
     def plan(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None,
              deadline: Optional[float] = None) -> Plan | None:
         """``deadline``: a ``time.monotonic()`` by which the look-up must be done (``StoreTimeout`` after)."""
-        limit = reusable_chunks(len(ids), self.chunk_tokens)
-        schemes = list(schemes or self.schemes)
-        all_keys = [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit) for s in schemes]
+        schemes, all_keys = self._keys(ids, schemes)
         flat = [k for keys in all_keys for k in keys]
         futures = [self.calls.submit(self.store.exists, k, deadline=deadline) for k in flat]
-        found = self.calls.wait(futures, deadline, "look-up")
-        present = dict(zip(flat, found, strict=True))
-        runs = []
-        for scheme, keys in zip(schemes, all_keys, strict=True):
-            n = 0
-            while n < len(keys) and present[keys[n]]:
-                n += 1
-            runs.append((scheme, keys[:n]))
+        present = dict(zip(flat, self.calls.wait(futures, deadline, "look-up"), strict=True))
         holds = getattr(self.store, "holds_locally", None)
+        runs = _runs(schemes, all_keys, present)
         local = frozenset(k for _, keys in runs for k in keys if holds(k)) if holds else frozenset()
         plan = Plan(runs, local)
         return plan if plan.n_chunks else None
 
     def plan_local(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None) -> Plan | None:
         """The plan of what the local tier alone holds (its own calls, no pool, no breaker)."""
-        limit = reusable_chunks(len(ids), self.chunk_tokens)
-        runs = []
-        for scheme in list(schemes or self.schemes):
-            keys = chunk_keys(ids, self.model_id, scheme.identity, self.chunk_tokens, max_chunks=limit)
-            n = 0
-            while n < len(keys) and self.store.holds_locally(keys[n]):
-                n += 1
-            runs.append((scheme, keys[:n]))
+        schemes, all_keys = self._keys(ids, schemes)
+        present = {k: self.store.holds_locally(k) for keys in all_keys for k in keys}
+        runs = _runs(schemes, all_keys, present)
         plan = Plan(runs, frozenset(k for _, keys in runs for k in keys), local_only=True)
         return plan if plan.n_chunks else None
+
+    def _keys(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]]) -> Tuple[List[Scheme], List[List[str]]]:
+        """The rungs to look up and each one's chunk keys for ``ids``."""
+        limit = reusable_chunks(len(ids), self.chunk_tokens)
+        schemes = list(schemes or self.schemes)
+        return schemes, [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit)
+                         for s in schemes]
 
     # -- choice ------------------------------------------------------------------------------
     def estimates(self, plan: Plan, index: int) -> List[Estimate]:
