@@ -52,6 +52,7 @@ class TieredStore(KVStore):
         self._held: Optional[int] = None  # bytes in the local tier (scanned once, then counted)
         self._gc: Optional[threading.Thread] = None
         self._kept_since = 0  # bytes kept since the running gc scanned
+        self._collecting = False  # a gc thread is running and has not yet said it is done
         self.counts = {"local_hits": 0, "remote_reads": 0, "kept": 0, "evicted": 0, "local_errors": 0}
 
     # -- reads -------------------------------------------------------------------------------
@@ -134,28 +135,33 @@ class TieredStore(KVStore):
             else:
                 self._held += len(data)
                 over = self._held > self.max_bytes
-            if not over or (self._gc is not None and self._gc.is_alive()):
+            if not over or self._collecting:
                 return
+            self._collecting = True
             self._gc = threading.Thread(target=self._collect, name="kv-local-gc", daemon=True)
             self._gc.start()
 
     def _collect(self) -> None:
-        """gc runs until the tier is within its size, counting what was kept while it ran."""
+        """gc runs until the tier is within its size (three runs at most), counting what was kept while
+        it ran; it says it is done under the lock it decided under, so a keep after that starts another."""
         from .capacity import gc
 
-        for _ in range(3):
+        for attempt in range(3):
             with self._lock:
                 self._kept_since = 0
             try:
                 report = gc(self.local, max_bytes=int(self.max_bytes * GC_TARGET))
             except (KVCodecError, OSError) as exc:
-                self._count("local_errors")
                 log.warning("local tier %s: gc failed: %s", self.local_url, exc)
+                with self._lock:
+                    self.counts["local_errors"] += 1
+                    self._collecting = False
                 return
             with self._lock:
                 self._held = report["after"]["bytes"] + self._kept_since
                 self.counts["evicted"] += report["deleted"]["chunks"]
-                if self._held <= self.max_bytes:
+                if self._held <= self.max_bytes or attempt == 2:
+                    self._collecting = False
                     return
 
 
