@@ -39,7 +39,8 @@ def register(sub) -> None:
                                           "cpu, gpu, trtllm (the ensemble on TensorRT-LLM) or trtllm-llmapi "
                                           "(TensorRT-LLM's own LLM-API model with our connector)")
     p.add_argument("--variant", choices=["cpu", "gpu", "trtllm", "trtllm-llmapi"], required=True)
-    p.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    p.add_argument("--out", required=True, help="the folder to write: new, empty, or one this command wrote before (its "
+                                          "content is replaced); any other folder is refused, never deleted")
     p.add_argument("--gpus", type=_list(int), default=[0], help="GPU ids of the KIND_GPU instances (trtllm: one)")
     p.add_argument("--source", default=str(DEFAULT_REPOSITORY), help="the committed repository it is derived from")
     p.add_argument("--instances", help="STEP=COUNT,...: instance_group counts of kv_fetch, kv_decode, kv_restore "

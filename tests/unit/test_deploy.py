@@ -62,6 +62,67 @@ def test_entrypoint_is_valid_sh_and_restricts_the_admin_apis():
     assert "--http-restricted-api" in text and "--grpc-restricted-protocol" in text
 
 
+def _entrypoint(tmp_path, **env) -> tuple:
+    """Run the containers' entrypoint in a temporary root: ``kvcodec repository`` is the real one;
+    whatever the script then execs to serve (``kvcodec serve``, ``tritonserver``) is a shim that
+    writes its arguments to ``served.json`` and exits. Returns (the run, the served argv or None)."""
+    shims = tmp_path / "shims"
+    shims.mkdir(exist_ok=True)
+    record = tmp_path / "served.json"
+    recorder = (f"#!{sys.executable}\nimport json, sys\n"
+                f"open({str(record)!r}, 'w').write(json.dumps(sys.argv))\n")
+    (shims / "tritonserver").write_text(recorder)
+    (shims / "kvcodec").write_text(
+        f"#!/bin/sh\nif [ \"$1\" = serve ]; then exec {shims / 'tritonserver'} \"$@\"; fi\n"
+        f"exec {BIN / 'kvcodec'} \"$@\"\n")
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    environ = {"PATH": f"{shims}:{BIN}:/usr/bin:/bin", "HOME": str(tmp_path), "KVCODEC_VARIANT": "gpu", **env}
+    run = subprocess.run(["sh", DEPLOY / "docker" / "entrypoint.sh", "--log-verbose=1"], env=environ,
+                         capture_output=True, text=True, timeout=120)
+    return run, (json.loads(record.read_text()) if record.exists() else None)
+
+
+def _read_only_model(root: Path) -> Path:
+    """A model folder as the Deployment mounts it (read-only at /models/llm)."""
+    model = root / "models" / "llm"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    for path in (model / "config.json", model / "model.safetensors", model, model.parent):
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    return model
+
+
+def _model_intact(model: Path) -> bool:
+    return (model / "model.safetensors").read_bytes() == b"weights" and (model / "config.json").is_file()
+
+
+def test_the_entrypoint_writes_the_repository_beside_the_model_never_over_it(tmp_path):
+    from kvcodec_tools.repository import MARKER
+
+    model = _read_only_model(tmp_path)
+    home = tmp_path / "var" / "lib" / "kvcodec"
+    run, served = _entrypoint(tmp_path, KVCODEC_HOME=str(home), KVCODEC_MODEL=str(model))
+    assert run.returncode == 0, run.stdout + run.stderr
+    repository = home / "repository"  # the default: $KVCODEC_HOME/repository, not /models
+    assert (repository / MARKER).is_file() and (repository / "kvcodec" / "config.pbtxt").is_file()
+    assert 'decoder"' in (repository / "kv_decode" / "config.pbtxt").read_text()  # the gpu variant
+    assert served[served.index("--model-repository") + 1] == str(repository)
+    assert _model_intact(model)
+    # started again (a container restart): the folder it wrote is replaced
+    run, served = _entrypoint(tmp_path, KVCODEC_HOME=str(home), KVCODEC_MODEL=str(model))
+    assert run.returncode == 0 and (repository / MARKER).is_file(), run.stderr
+    # pointed at the model's parent (the old default, /models): refused, the model untouched
+    (tmp_path / "served.json").unlink()
+    run, served = _entrypoint(tmp_path, KVCODEC_HOME=str(home), KVCODEC_MODEL=str(model),
+                              KVCODEC_REPOSITORY=str(model.parent))
+    assert run.returncode != 0 and served is None
+    assert "refusing to delete" in run.stderr and str(model.parent) in run.stderr
+    assert _model_intact(model)
+    assert sorted(p.name for p in model.parent.iterdir()) == ["llm"]
+
+
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 
 
