@@ -8,7 +8,13 @@ request is scheduled in the same step with ``computed_position`` already countin
 ``kvCacheManager.cpp``); per step
 ``build_connector_meta`` (pickled, as the broadcast does), ``bind_connector_meta``, ``start_load_kv``,
 per layer ``wait_for_layer_load`` / the layer's forward / ``save_kv_layer``, ``wait_for_save``,
-``get_finished``; at the end ``request_finished``. The fake requests and scheduler outputs have the
+``get_finished``; at the end ``request_finished``. The step keeps 1.2's ``try`` boundaries
+(``py_executor.py``): ``_kv_connector_start_batch`` (metadata, ``start_load_kv``) is outside any
+``try`` in ``_executor_loop``, so what it raises leaves ``step`` (the executor thread ends there:
+``_event_loop_wrapper`` logs and re-raises); the forward (the ``DecoderLayer`` hooks
+``KvCacheConnectorManager.layer_pre_hook`` / ``layer_post_hook``, then ``_kv_connector_wait_for_save``)
+is inside ``_forward_step``'s ``try``, whose ``except`` calls ``_handle_errors(error_msg)``: every
+active request gets that error and leaves, and the loop goes on (``errors``). The fake requests and scheduler outputs have the
 fields the connector reads, as TensorRT-LLM's have them. The "model" writes a fixed KV per
 position; the pool is checked by raw offsets of ``[num_blocks, layers, 2, kv_heads *
 tokens_per_block * head_dim]``, each block ``[heads, slots, dim]``.
@@ -97,6 +103,7 @@ class FakeLlmRequest:  # bindings.internal.batch_manager.LlmRequest
     cache_salt: Optional[str] = None
     is_dummy: bool = False
     cache_salt_id: Optional[int] = None  # what 1.2's binding has (nanobind ``def_prop_ro("cache_salt_id")``)
+    py_client_id: Optional[int] = None  # llm_request.py: the executor request's client_id (the LLM API's id)
 
     @property
     def prompt_len(self) -> int:
@@ -166,6 +173,8 @@ class Replay:
         self.parked: dict = {}  # answered (n, True): out of the scheduler output until reported loaded
         self.metas: list = []
         self.reported: list = []
+        self.errors: dict = {}  # request id -> the error _handle_errors answered it with
+        self.errors_expected = False
 
     def add(self, request: FakeLlmRequest, device_tokens: int = 0) -> int:
         """``addSequence`` with a device prefix-cache hit of ``device_tokens`` (``get_num_new_matched_tokens``,
@@ -205,16 +214,24 @@ class Replay:
             (out.new_requests if r["new"] else out.cached_requests).append(data)
             work.append((r, n))
             r["new"] = False
+        # _kv_connector_start_batch: outside any try in _executor_loop / _executor_loop_overlap
         meta = pickle.loads(pickle.dumps(self.scheduler.build_connector_meta(out)))  # broadcast to the ranks
         self.metas.append(meta)
         self.worker.bind_connector_meta(meta)
         self.worker.start_load_kv(None)
-        for layer in range(L):
-            self.worker.wait_for_layer_load(layer, None)
-            for r, n in work:  # the layer's forward writes the KV of the positions it computes
-                raw_write(self.pool, r["blocks"], r["position"], DOC_KV[:, :, :, r["position"]:r["position"] + n], layer)
-            self.worker.save_kv_layer(layer, None)
-        self.worker.wait_for_save(None)
+        try:  # _forward_step
+            for layer in range(L):
+                self.worker.wait_for_layer_load(layer, None)  # layer_pre_hook
+                for r, n in work:  # the layer's forward writes the KV of the positions it computes
+                    raw_write(self.pool, r["blocks"], r["position"], DOC_KV[:, :, :, r["position"]:r["position"] + n],
+                              layer)
+                self.worker.save_kv_layer(layer, None)  # layer_post_hook
+            self.worker.wait_for_save(None)  # _kv_connector_wait_for_save, inside the same try
+        except Exception as exc:  # _handle_errors(str(exc)): every active request fails and is terminated
+            for rid in list(self.active):
+                self.errors[rid] = str(exc)
+                self.free.extend(self.active.pop(rid)["blocks"])
+            work = []
         saving, loaded = self.worker.get_finished([], list(self.parked))
         assert saving == [] and set(loaded) <= set(self.parked)  # an id never passed in: KeyError there
         for rid in loaded:  # CONTEXT_INIT again; should_add_sequence is False: nothing re-matched
@@ -240,6 +257,7 @@ def replays():
     yield lambda *a, **k: made.append(Replay(*a, **k)) or made[-1]
     for r in made:
         r.close()
+        assert r.errors_expected or not r.errors, r.errors  # no forward failed unless the test meant it
 
 
 def staged(replay, prompt: int, chunks: int, salt: str = "") -> None:
@@ -430,21 +448,164 @@ def test_a_load_is_written_in_the_step_that_schedules_it_and_leaves_the_stage(st
     assert replay.reported == [] and replay.worker.counters["loads"] == 1
 
 
-def test_a_load_that_cannot_be_written_raises_and_is_never_reported_loaded(store, replays, monkeypatch):
-    """After the promise TensorRT-LLM cannot be told: a write that fails (a device error) raises into the
-    executor instead of letting it compute over stale blocks or leaving the request parked."""
+def test_a_failed_load_fails_the_forwards_requests_and_the_executor_loop_goes_on(store, replays, monkeypatch):
+    """After the promise TensorRT-LLM cannot be told of a failed load. A write that fails (a device error)
+    must neither let it compute over stale blocks nor end its executor thread: ``start_load_kv`` (called
+    outside any try) does not raise; the forward's first layer hook does, inside ``_forward_step``'s try,
+    so ``_handle_errors`` answers the active requests with the error, the step's other loads are written,
+    and the next step serves the next request (Replay.step keeps 1.2's try boundaries)."""
+    replay = replays(config(store, prefetch=False), store, 32)
+    replay.errors_expected = True
+    staged(replay, 900, 2)
+    assert replay.add(FakeLlmRequest(5, DOC[:900])) == 512
+    other = DOC[:256] + DOC[600:900]
+    replay.stage.put(other, to_pool(DOC_KV[:, :, :, :256], replay.shared.pages), "", CHUNK)
+    assert replay.add(FakeLlmRequest(6, other)) == 256
+    write, calls = replay.worker.pages.write, []
+
+    def broken(block_ids, start, kv):  # request 5's blocks only
+        calls.append(block_ids[0])
+        if list(block_ids) == replay.active[5]["blocks"][:len(block_ids)]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return write(block_ids, start, kv)
+
+    monkeypatch.setattr(replay.worker.pages, "write", broken)
+    replay.step()  # the executor loop's iteration ends normally
+    assert "request 5" in replay.errors[5] and set(replay.errors) == {5, 6}  # _handle_errors: every active one
+    np.testing.assert_array_equal(raw_read(replay.pool, replay.metas[-1].loads[1].block_ids, 0, 256),
+                                  DOC_KV[:, :, :, :256])  # the other load was still written
+    assert replay.worker.counters["short_loads"] == 1 and replay.reported == [] and not replay.parked
+    monkeypatch.setattr(replay.worker.pages, "write", write)
+    staged(replay, 900, 2)
+    assert replay.add(FakeLlmRequest(7, DOC[:900])) == 512  # the loop lives on: the next request is served
+    replay.step(forward=False)
+    np.testing.assert_array_equal(raw_read(replay.pool, replay.active[7]["blocks"], 0, 512), DOC_KV[:, :, :, :512])
+    assert 7 not in replay.errors and replay.worker.get_finished([], []) == ([], [])
+
+
+def test_a_failure_with_no_layer_hook_is_raised_from_wait_for_save(store, replays, monkeypatch):
+    """A forward whose layers ran no pre-hook still fails inside ``_forward_step``'s try: ``wait_for_save``
+    (``_kv_connector_wait_for_save``, in the same try in 1.2) raises what ``start_load_kv`` kept."""
     replay = replays(config(store, prefetch=False), store, 32)
     staged(replay, 900, 2)
     assert replay.add(FakeLlmRequest(5, DOC[:900])) == 512
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    monkeypatch.setattr(replay.worker.pages, "write", broken)
+    monkeypatch.setattr(replay.worker.pages, "write", lambda *a: (_ for _ in ()).throw(RuntimeError("device")))
+    replay.worker.bind_connector_meta(replay.scheduler.build_connector_meta(SchedulerOutput()))
+    replay.worker.start_load_kv(None)  # never raises
     with pytest.raises(LoadFailed, match="request 5"):
-        replay.step(forward=False)
-    assert replay.worker.counters["short_loads"] == 1 and replay.reported == [] and not replay.parked
-    assert replay.worker.get_finished([], []) == ([], [])
+        replay.worker.wait_for_save(None)
+    replay.worker.wait_for_layer_load(0, None)  # raised once: the next forward is not failed for it
+
+
+class LaggingStream:
+    """A device stream that runs behind the host, as TensorRT-LLM's may by a whole forward. Stand-in for
+    CUDA: nothing here runs on a GPU; ``done`` is set by the test when "the device" got there."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+class EventOn:
+    """``torch.cuda.Event`` on a ``LaggingStream``: ``query()`` is True once the stream is past it."""
+
+    def __init__(self, stream: LaggingStream) -> None:
+        self.stream, self.recorded = stream, False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.recorded and self.stream.done
+
+
+def test_staged_kv_outlives_the_copy_queued_from_it(store, replays):
+    """``start_load_kv`` queues the reads of the staged KV on TensorRT-LLM's stream and the entry leaves
+    the stage: the tensor must stay alive until an event recorded on that stream after the copy says it
+    ran, or the caching allocator hands its memory to the next ``to_pool`` (another prompt's bytes in
+    this request's blocks). The stream is a stand-in (``LaggingStream``: on CPU every copy is done at once)."""
+    import gc
+    import weakref
+
+    from kvcodec.connector.worker import InFlight
+
+    replay = replays(config(store, prefetch=False), store, 32)
+    stream = LaggingStream()
+    replay.worker.core.inflight = InFlight(make_event=lambda: EventOn(stream))
+    kv = to_pool(DOC_KV[:, :, :, :512], replay.shared.pages)
+    alive = weakref.ref(kv)
+    replay.stage.put(DOC[:900], kv, "", CHUNK)
+    del kv
+    assert replay.add(FakeLlmRequest(3, DOC[:900])) == 512
+    replay.step(forward=False)
+    gc.collect()
+    assert replay.stage.stats()["entries"] == 0  # left the stage
+    assert alive() is not None and len(replay.worker.core.inflight) == 1  # the queued copy still reads it
+    replay.worker.get_finished([], [])
+    gc.collect()
+    assert alive() is not None  # not yet: the stream is behind
+    stream.done = True
+    replay.worker.get_finished([], [])
+    gc.collect()
+    assert alive() is None and len(replay.worker.core.inflight) == 0  # released once the stream is past it
+
+
+def test_a_device_chunk_is_copied_before_put_returns(monkeypatch):
+    """A chunk from a DLPack GPU input is cloned on the device; Triton may reuse the input's buffer once
+    ``execute`` returns, so ``put`` waits for the clone (an event recorded after it, synchronized). CUDA is
+    modelled: ``clone`` only queues the copy on the current stream; ``Event.synchronize`` runs what was
+    queued before the event's record; nothing here runs on a GPU."""
+    from kvcodec.connector import LoadSession
+
+    queued: list = []
+
+    class DeviceTensor:
+        is_cuda, device, shape = True, "cuda:0", (L, 2, H, CHUNK, D)
+
+        def __init__(self) -> None:
+            self.copied = True
+
+        def clone(self):
+            out = DeviceTensor()
+            out.copied = False
+            queued.append(out)  # queued on the current stream, not yet run
+            return out
+
+    class Event:
+        def record(self, stream=None) -> None:
+            self.upto = len(queued)
+
+        def synchronize(self) -> None:
+            for t in queued[:self.upto]:
+                t.copied = True
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    session = LoadSession(CHUNK, 2)
+    session.put(0, DeviceTensor())
+    assert all(t.copied for t in session.sources())  # the input's buffer is no longer read
+
+
+def test_promises_are_recorded_per_request_and_bounded(store, replays):
+    """Two requests of one prompt (another device prefix hit each) get their own count, by the LLM API's
+    client id (``LlmRequest.py_client_id``); records nobody takes (a request that failed before its
+    first output) are bounded."""
+    from kvcodec.engines.trtllm_engine import promised_tokens
+    from kvcodec.engines.trtllm_shared import Promised
+
+    replay = replays(config(store, prefetch=False), store, 32)
+    staged(replay, 900, 2)
+    scheduler = replay.scheduler
+    assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(1, DOC[:900], py_client_id=11), 0) == (512, False)
+    assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(2, DOC[:900], py_client_id=12), 256) == (256, False)
+    assert promised_tokens(DOC[:900], shared=replay.shared, client=11) == 512
+    assert promised_tokens(DOC[:900], shared=replay.shared, client=12) == 256
+    assert scheduler.get_num_new_matched_tokens(FakeLlmRequest(3, DOC[:900]), 0) == (512, False)
+    assert promised_tokens(DOC[:900], shared=replay.shared) == 512  # no client id: by prompt, as before
+    replay.shared.promised = Promised(max_entries=8)
+    for rid in range(100, 150):  # never taken
+        scheduler.get_num_new_matched_tokens(FakeLlmRequest(rid, DOC[:900], py_client_id=rid), 0)
+    assert len(replay.shared.promised) == 8 and replay.shared.promised.dropped == 42
+    assert promised_tokens(DOC[:900], shared=replay.shared, client=149) == 512
 
 
 def test_only_kv_in_the_pools_dtype_shape_and_device_is_promised(store, replays):
@@ -593,8 +754,9 @@ def test_warm_up_dummies_cache_salt_and_the_count_commitment(store, replays):
 
 def test_cuda_graphs_are_refused_with_the_fix_on_releases_before_the_connector_supported_them():
     args = llm_args(32, cuda_graph_config=SimpleNamespace(max_batch_size=8))
-    with pytest.raises(Unsupported, match="cuda_graph_config: null"):
+    with pytest.raises(Unsupported, match="cuda_graph_config: null") as refused:
         trtllm_compat.check_cuda_graphs(args, (1, 2, 0, 1))
+    assert "leaves CUDA graphs on" in str(refused.value)  # kvcodec repository never writes the line
     trtllm_compat.check_cuda_graphs(args, (1, 2, 0, 1 << 30))  # 1.2.0: supported
     trtllm_compat.check_cuda_graphs(llm_args(32, cuda_graph_config=None), (1, 1, 0, 1 << 30))
 
@@ -661,6 +823,8 @@ def test_register_kv_caches_refuses_what_it_cannot_write(store):
         (torch.zeros(4, L, 2, H * 32 * D), {"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
         (torch.zeros(4, L, 2, H * 32 * D), {"attn_backend": "FLASHINFER"}, "FLASHINFER"),
         (torch.zeros(4, L, 2, H * 32 * D, dtype=torch.float8_e4m3fn), {}, "float8"),
+        (torch.zeros(4, L, 2, H * 32 * D), {"kv_cache_config": SimpleNamespace(  # a secondary (host) pool
+            tokens_per_block=32, enable_block_reuse=True, host_cache_size=1 << 30)}, "host_cache_size"),
     ]
     for tensor, args, match in bad:
         with pytest.raises(Unsupported, match=match):

@@ -41,6 +41,7 @@ class FakeLLM:
 
     def __init__(self, **args) -> None:
         assert args["backend"] == "pytorch" and args["kv_cache_config"]["enable_block_reuse"]
+        self.args = args
         self.single_process = __import__("os").environ.get("TLLM_WORKER_USE_SINGLE_PROCESS")
         cfg = args["kv_connector_config"]
         module = importlib.import_module(cfg.connector_module)
@@ -54,9 +55,15 @@ class FakeLLM:
         FakeLLM.instances.append(self)
 
     def generate_async(self, ids, sampling_params, streaming):
+        """As 1.2's ``LLM.generate_async``: the request is submitted at once and the result carries the
+        client id (``GenerationResult.request_id``), which the executor's ``LlmRequest`` holds as
+        ``py_client_id``; its own ``request_id`` is the executor's (here offset, as they differ there)."""
         self.next_id += 1
-        rid = self.next_id
-        request = SimpleNamespace(request_id=rid, prompt_len=len(ids), get_tokens=lambda beam: list(ids))
+        return FakeResult(self, 500 + self.next_id, self.next_id, ids, sampling_params)
+
+    def _run(self, client, rid, ids, sampling_params):
+        request = SimpleNamespace(request_id=rid, py_client_id=client, prompt_len=len(ids),
+                                  get_tokens=lambda beam: list(ids))
         n, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         blocks = list(range(-(-len(ids) // BS)))
         self.blocks[rid] = (blocks, n)
@@ -75,6 +82,15 @@ class FakeLLM:
     def shutdown(self) -> None:
         self.scheduler.close()
         self.worker.close()
+
+
+class FakeResult:
+    def __init__(self, llm, client, rid, ids, sampling_params) -> None:
+        self.request_id = client
+        self._outputs = llm._run(client, rid, ids, sampling_params)
+
+    def __iter__(self):
+        return self._outputs
 
 
 # tensorrt_llm/sampling_params.py (1.2's LLM API): the SamplingParams fields the engine may set
@@ -212,3 +228,25 @@ def test_sampling_reaches_tensorrt_llm_under_its_own_names(engine):
     greedy_penalised = Sampling(repetition_penalty=1.2, seed=3)
     list(engine.stream(list(range(10)), 2, load=session, sampling=greedy_penalised))
     assert SEEN_PARAMS[-1] == {"max_tokens": 2, "top_k": 1, "repetition_penalty": 1.2}
+
+
+def test_the_kv_pool_takes_the_share_of_free_gpu_memory_the_setting_gives(engine, fake_trtllm, tmp_path):
+    """TensorRT-LLM's own ``free_gpu_memory_fraction`` (0.9) leaves too little beside its pool for the
+    stage, ``to_pool``'s transit copies and kv_decode / kv_restore on the same GPU: the engine passes
+    ``trtllm_kv_fraction`` (default 0.6); a value outside (0, 1) is refused where it is read."""
+    from kvcodec.engines.trtllm_engine import TrtllmEngine, llm_arguments
+    from kvcodec.errors import ConfigError
+
+    assert FakeLLM.instances[-1].args["kv_cache_config"]["free_gpu_memory_fraction"] == 0.6
+    assert engine.settings.trtllm_kv_fraction == 0.6
+    settings = Settings.load({"home": str(tmp_path / "h2"), "model": str(engine.settings.model),
+                              "model_cache": str(tmp_path / "c2"), "store": "memory://frac", "ladder": "raw",
+                              "chunk_tokens": "64"}, env={"KVCODEC_TRTLLM_KV_FRACTION": "0.45"})
+    TrtllmEngine(settings).close()
+    assert FakeLLM.instances[-1].args["kv_cache_config"]["free_gpu_memory_fraction"] == 0.45
+    for bad in ("1", "1.5", "0", "x"):
+        with pytest.raises(ConfigError, match="trtllm_kv_fraction"):
+            Settings.load({"trtllm_kv_fraction": bad}, env={})
+    with pytest.raises(ValueError, match="free_gpu_memory_fraction"):
+        llm_arguments("m", 32, 1.0)
+

@@ -5,7 +5,8 @@ can take the request at once and load the chunks while later ones are still on t
 ``LoadSession`` is that hand-over, engine-neutral and thread-safe:
 
 - producer side (the ``llm`` step, one call per chunk as the ensemble delivers it, any order):
-  ``put(index, kv)`` keeps the chunk (a copy: the caller's buffer may be reused) and, once the
+  ``put(index, kv)`` keeps the chunk (a copy, finished on the device before ``put`` returns: the
+  caller's buffer may be reused) and, once the
   engine has attached its blocks, writes it into them at once, in the producer's thread;
   ``fail(index, reason)``: chunk ``index`` will not come; the usable prefix ends before it;
 - engine side: ``attach(pages, block_ids, start, tokens)`` once blocks exist for positions
@@ -17,7 +18,8 @@ can take the request at once and load the chunks while later ones are still on t
 - either side: ``settled`` (the usable prefix is final: every chunk before the first failure is in),
   ``wait_settled(timeout_s)``, ``bound_tokens`` (the most that can become usable), ``staged_tokens`` (the leading run kept so far: what can be used, final once ``settled``),
   ``reason`` and ``past_kv(host=False)`` (the leading run as one array, for dense engines and
-  synchronous loads; ``host=True``: as numpy in host memory).
+  synchronous loads; ``host=True``: as numpy in host memory), ``sources()`` (the chunks kept: what a
+  write still queued on a device stream reads, to be kept alive until that stream is past it).
 
 Chunks may be numpy arrays or torch tensors on any device: a device tensor stays on its device from
 the step that restored it into the engine's blocks (no host copy on the way), and ``past_kv`` of
@@ -42,13 +44,28 @@ log = logging.getLogger(__name__)
 
 
 def _kept(kv):
-    """A copy of a chunk that the session may keep: numpy stays numpy, torch stays on its device."""
+    """A copy of a chunk that the session may keep: numpy stays numpy, torch stays on its device. A
+    device copy is only queued when ``clone`` returns: it is waited for here (``copied``), so the
+    caller's buffer (a Triton input, reused once ``execute`` returns) is never read after the call."""
     if isinstance(kv, np.ndarray):
         return np.array(kv, copy=True)
     clone = getattr(kv, "clone", None)
     if clone is None:
         raise ValueError(f"a chunk must be a numpy array or a torch tensor, got {type(kv).__name__}")
-    return clone()
+    kept = clone()
+    if getattr(kept, "is_cuda", False):
+        copied(kept)
+    return kept
+
+
+def copied(tensor) -> None:
+    """Waits (this thread only) until the work queued so far on ``tensor``'s device's current stream,
+    the copy that made ``tensor`` included, is done: an event recorded there, then synchronized."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    event.synchronize()
 
 
 class LoadSession:
@@ -160,6 +177,11 @@ class LoadSession:
             dtype = torch.float32 if any(c.dtype == torch.float32 for c in run) else run[0].dtype
             kv = torch.cat([c.to(dtype) for c in run], dim=3)
         return kv[:, :, :, :self.planned_tokens]
+
+    def sources(self) -> List:
+        """The chunks kept so far (numpy or torch): what a queued write into the blocks reads from."""
+        with self._cond:
+            return list(self._chunks.values())
 
     # -- engine side -------------------------------------------------------------------------------
     def attach(self, pages: KVPages, block_ids: Sequence[int], start: int, tokens: int) -> None:

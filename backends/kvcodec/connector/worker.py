@@ -13,6 +13,10 @@ translates its engine's calls to these; the pool is the engine's own memory seen
     for an engine that cannot be told of a failed load (TensorRT-LLM) a raise is the only move that
     never lets it compute over stale blocks; callers promise only KV that is already in hand, in the
     pool's dtype, shape and device, so only a device error can get here.
+    The session's chunks (``LoadSession.sources``) are held (``inflight``) until an event recorded
+    on ``stream`` after the writes says the device is past them: the engine's stream may run a
+    whole forward behind the host, and a chunk freed before its copy ran would give its memory
+    (the caching allocator's, on another stream) to the next staged prompt's bytes.
 ``begin(load)``
     An asynchronous load (or a synchronous one whose writes may still be in flight): the load is
     followed until it is loaded; its session writes the chunks as they arrive.
@@ -26,6 +30,10 @@ translates its engine's calls to these; the pool is the engine's own memory seen
     and copied to host memory without blocking the caller (``HostCopy``: pinned memory, a CUDA
     event; ``get()`` waits for it on the thread that encodes), then handed to ``sink_for(job)`` (a
     ``SaveSink``; None: the job is skipped). A sink's failure is logged, never raised into the step.
+
+``release()``
+    Drops the held sources whose stream is past their copies (``InFlight.release``); ``load_now``
+    calls it too, so what is held is at most what the engine's stream has not reached.
 
 ``counters``: ``loads``, ``loaded_tokens``, ``short_loads``, ``saved_chunks``, ``dropped_chunks``,
 ``save_copy_s``.
@@ -73,6 +81,41 @@ class HostCopy:
         return self.host.to(torch.float32).numpy()
 
 
+class InFlight:
+    """Tensors that device work queued on a stream still reads, kept alive until that work is done.
+
+    ``hold(tensors, stream)`` records an event on ``stream`` (a ``torch.cuda.Stream``; None: the
+    current stream) after the work that reads ``tensors`` was queued and keeps them with it; host
+    tensors and numpy are not held (their copies are done when the call returns). ``release()``
+    drops those whose event has completed (``query()``: never waits) and gives how many are still
+    held; ``len()``. ``make_event`` makes the events (``torch.cuda.Event``; tests give a stand-in)
+    and, given, holds whatever it is handed, device or not."""
+
+    def __init__(self, make_event: Optional[Callable[[], object]] = None) -> None:
+        self._make_event = make_event
+        self._held: List[Tuple[object, list]] = []
+
+    def hold(self, tensors: Sequence, stream=None) -> None:
+        if self._make_event is None:
+            tensors = [t for t in tensors if getattr(t, "is_cuda", False)]
+            if not tensors:
+                return
+            event = torch.cuda.Event()
+            event.record(stream if isinstance(stream, torch.cuda.Stream) else None)
+        else:
+            tensors = list(tensors)
+            event = self._make_event()
+            event.record(stream)
+        self._held.append((event, tensors))
+
+    def release(self) -> int:
+        self._held = [(event, tensors) for event, tensors in self._held if not event.query()]
+        return len(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 class SaveSink(Protocol):
     def __call__(self, chunks: List[Tuple[int, int, HostCopy]]) -> Optional[int]:
         """Takes a request's chunks ``(index, token start, copy)``, never blocking on the store; the
@@ -96,6 +139,7 @@ class Finished:
 class WorkerCore:
     def __init__(self) -> None:
         self.pages: Optional[KVPages] = None
+        self.inflight = InFlight()
         self._loading: Dict[Hashable, Load] = {}
         self.counters = {"loads": 0, "loaded_tokens": 0, "short_loads": 0, "saved_chunks": 0, "dropped_chunks": 0,
                          "save_copy_s": 0.0}
@@ -108,12 +152,15 @@ class WorkerCore:
         if self.pages is None:
             raise LoadFailed(f"request {load.request_id}: no KV pool registered")
         end = load.start + load.tokens
+        self.inflight.release()
         with on_stream(stream):
             try:
                 load.session.attach(self.pages, load.block_ids, load.start, load.tokens)
             except Exception as exc:
                 self.counters["short_loads"] += 1
                 raise LoadFailed(f"request {load.request_id}: loading its promised tokens failed: {exc}") from exc
+            finally:  # what was queued reads the chunks until the stream is past it, written or not
+                self.inflight.hold(load.session.sources(), stream)
         written = load.session.loaded_tokens
         self._count(load, written)
         if not load.session.loaded or written < end:
@@ -149,6 +196,10 @@ class WorkerCore:
         self.counters["loaded_tokens"] += max(0, written - load.start)
         if written < load.start + load.tokens:
             self.counters["short_loads"] += 1
+
+    def release(self) -> int:
+        """Drops the held load sources the device is done with; how many holds are left."""
+        return self.inflight.release()
 
     @property
     def loading(self) -> int:

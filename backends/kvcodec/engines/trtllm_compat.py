@@ -11,9 +11,13 @@ machines): the tests replay its calls on CPU.
 - ``prompt(request)``, ``cache_salt(request)`` (1.2's ``LlmRequest.cache_salt_id``, later
   ``cache_salt``: part of the stage key, so salted prompts never share KV), ``is_dummy(request)``
   (warm-up and padding requests: CUDA-graph and attention-DP dummies never reach the store).
+- ``client_id(request)``: the LLM API's id of the request (``LlmRequest.py_client_id``, the id
+  ``generate_async``'s result carries as ``request_id``), not the executor's ``request_id``.
 - CUDA graphs: before TensorRT-LLM PR #8275 (1.1.x, 1.2.0rc0/rc1) ``create_py_executor`` refused
   connector hooks with CUDA graphs on; ``check_cuda_graphs`` says so at start with the fix
-  (``cuda_graph_config: null`` in model.yaml) instead of the executor's assertion.
+  (add ``cuda_graph_config: null`` to model.yaml) instead of the executor's assertion.
+  ``kvcodec repository`` and the ensemble's engine leave CUDA graphs on (TensorRT-LLM's default,
+  for 1.2.0rc2 and later): on an older release that line is the operator's to add.
 - 1.3+ (KVCacheManagerV2) may honour fewer tokens than the connector offered:
   ``commit_new_matched_tokens(request, num_tokens)`` narrows the load to what was committed.
 """
@@ -87,7 +91,8 @@ def check_cuda_graphs(llm_args: Any, release: Optional[Tuple[int, ...]]) -> None
         return
     if release < (1, 2, 0, 2):
         raise Unsupported("TensorRT-LLM before 1.2.0rc2 runs KV connectors only without CUDA graphs: set "
-                          "`cuda_graph_config: null` in model.yaml (kvcodec repository writes it for these releases)")
+                          "`cuda_graph_config: null` in model.yaml (kvcodec repository leaves CUDA graphs on, as "
+                          "TensorRT-LLM 1.2.0rc2 and later run them with a connector: add the line yourself)")
 
 
 def kv_connector_config(module: str):
@@ -107,6 +112,14 @@ def prompt(request: Any) -> List[int]:
     tokens = [int(t) for t in request.get_tokens(0)]
     n = getattr(request, "prompt_len", None)
     return tokens[:n] if isinstance(n, int) and 0 < n <= len(tokens) else tokens
+
+
+def client_id(request: Any) -> Optional[int]:
+    """The LLM API's id of the request (``LlmRequest.py_client_id``, set from the executor request's
+    ``client_id``, which ``GenerationExecutor`` makes ``GenerationRequest.id``: what the result of
+    ``LLM.generate_async`` gives as ``request_id``); None where the request has none."""
+    value = getattr(request, "py_client_id", None)
+    return None if value is None else int(value)
 
 
 def cache_salt(request: Any) -> str:

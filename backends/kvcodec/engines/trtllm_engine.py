@@ -51,11 +51,19 @@ SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
 CONNECTOR_MODULE = "kvcodec.engines.trtllm_connector"
 
 
-def llm_arguments(model: str, tokens_per_block: int = 32) -> Dict[str, Any]:
+DEFAULT_KV_FRACTION = 0.6  # Settings.trtllm_kv_fraction's default (TensorRT-LLM's own is 0.9)
+
+
+def llm_arguments(model: str, tokens_per_block: int = 32, kv_fraction: float = DEFAULT_KV_FRACTION) -> Dict[str, Any]:
     """``LLM(**arguments)``: what the connector needs of TensorRT-LLM (also ``model.yaml`` of the stock
-    deployment, by ``kvcodec repository``)."""
+    deployment, by ``kvcodec repository``). ``kv_fraction``: ``kv_cache_config.free_gpu_memory_fraction``,
+    the share of the GPU memory free after the weights (and TensorRT-LLM's activation estimate) that its
+    KV pool takes; the rest is what the stage, ``to_pool``'s transit copies and the other processes on
+    the GPU (kv_decode, kv_restore) may grow into (docs/deploy-trtllm.md, "GPU memory")."""
     if tokens_per_block <= 0:
         raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+    if not 0.0 < kv_fraction < 1.0:
+        raise ValueError(f"kv_fraction (free_gpu_memory_fraction) must be in (0, 1), got {kv_fraction}")
     return {
         "model": model,
         "backend": "pytorch",
@@ -63,7 +71,8 @@ def llm_arguments(model: str, tokens_per_block: int = 32) -> Dict[str, Any]:
         "pipeline_parallel_size": 1,
         "dtype": KV_DTYPE,  # the model card's kv_dtype: the KV pool is float16, the raw rung stores it
         "attn_backend": "TRTLLM",  # the block layout the connector writes
-        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": tokens_per_block},
+        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": tokens_per_block,
+                            "free_gpu_memory_fraction": float(kv_fraction)},
         "scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"},
         "kv_connector_config": {"connector_module": CONNECTOR_MODULE,
                                 "connector_scheduler_class": "KVCodecScheduler",
@@ -111,7 +120,9 @@ class TrtllmEngine(model_files.EngineFiles):
         config = folder / "kvcodec-trtllm.json"
         config.write_text(json.dumps(connector_settings(settings, self.card, prefetch=False), indent=2))
         os.environ[CONFIG_ENV] = str(config)
-        args = llm_arguments(str(files.path), tokens_per_block)
+        # Settings.trtllm_kv_fraction; read by name so a Settings without it (older) keeps the default
+        kv_fraction = getattr(settings, "trtllm_kv_fraction", DEFAULT_KV_FRACTION)
+        args = llm_arguments(str(files.path), tokens_per_block, kv_fraction)
         args["kv_connector_config"] = KvCacheConnectorConfig(**args["kv_connector_config"])
         self._llm = LLM(**args)
 
@@ -125,9 +136,11 @@ class TrtllmEngine(model_files.EngineFiles):
         staged = stage_restored(list(ids), load, past_kv, self.chunk_tokens, self.settings.fetch_timeout_s)
         params = SamplingParams(max_tokens=int(max_tokens), **trtllm_sampling(sampling))
         first = True
-        for output in self._llm.generate_async(list(ids), sampling_params=params, streaming=True):
+        result = self._llm.generate_async(list(ids), sampling_params=params, streaming=True)
+        client = getattr(result, "request_id", None)  # the LlmRequest's py_client_id (trtllm_compat.client_id)
+        for output in result:
             if first and report is not None:
-                report.staged_tokens, report.reused_tokens = staged, promised_tokens(ids)
+                report.staged_tokens, report.reused_tokens = staged, promised_tokens(ids, client=client)
                 first = False
             for token in output.outputs[0].token_ids_diff:
                 yield int(token)
@@ -170,13 +183,12 @@ def stage_restored(ids: List[int], load, past_kv, chunk_tokens: int, timeout_s: 
     return n if shared.stage.put(ids, kv, "", chunk_tokens) else 0
 
 
-def promised_tokens(ids: Sequence[int], shared=None) -> int:
-    """What the connector promised for this prompt (its scheduler records it by prompt)."""
-    from ..connector import prompt_key
+def promised_tokens(ids: Sequence[int], shared=None, client: Optional[int] = None) -> int:
+    """What the connector promised for this request (its scheduler records it by the LLM API's client
+    id, ``client``; by prompt where the request it saw had none: ``trtllm_shared.Promised``)."""
     from .trtllm_shared import SHARED
 
-    value = (SHARED if shared is None else shared).promised.pop(prompt_key(list(ids)))
-    return int(value or 0)
+    return (SHARED if shared is None else shared).promised.pop(client=client, ids=list(ids))
 
 
 def trtllm_sampling(sampling: Sampling) -> dict:

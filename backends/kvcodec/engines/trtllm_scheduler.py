@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..connector import LoadSession, SaveJob, SchedulerCore, prompt_key
+from ..connector import LoadSession, SaveJob, SchedulerCore
 from ..errors import Unsupported
 from ..store import KVStore, open_store
 from . import trtllm_compat as compat
@@ -113,7 +113,7 @@ class KVCodecScheduler(_SchedulerBase):
             return 0, False
         self.counters["matched_tokens"] += n
         if self.prefetcher is None:  # the ensemble's engine (trtllm_engine) reports what was promised
-            self.shared.promised.post(prompt_key(ids, salt), n)
+            self.shared.promised.post(n, compat.client_id(request), ids, salt)
         log.info("request %s: %d of %d prompt tokens from the stage (device had %d)", rid, n, len(ids),
                  num_computed_tokens)
         return n, False

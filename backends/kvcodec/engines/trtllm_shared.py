@@ -9,8 +9,9 @@ and ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` both live in the process that runs the 
 - ``pages``: the engine's pool (``KVPages``), set by the worker's ``register_kv_caches``;
 - ``loads``: the loads the scheduler accepted (``connector.scheduler.Load``, by executor request
   id), taken by the worker's ``start_load_kv`` in the same step (the step's metadata names them);
-- ``promised``: tokens promised per prompt (``connector.prompt_key`` of its ids and salt), taken by
-  the engine to report ``reused_tokens``;
+- ``promised``: tokens promised per request (``Promised``: by the LLM API's client id, else by prompt),
+  taken by the engine to report ``reused_tokens``; bounded (the oldest go first, counted), since
+  a request that fails before its first output is never taken;
 - ``corrupt``: store keys a read found corrupt; the write-back sink replaces them.
 
 ``to_pool(kv, pages)``: staged KV in the pool's dtype and on its device (from the host through pinned
@@ -22,22 +23,65 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..connector import HandOff, KVPages, Stage
+from ..connector import HandOff, KVPages, Stage, prompt_key
 from ..connector.sink import KeySet
 
 log = logging.getLogger("kvcodec.trtllm")
+
+
+class Promised:
+    """Tokens the scheduler promised, per request, until the engine takes them for its report.
+
+    ``post(n, client=None, ids=(), salt="")`` records under the request's LLM-API client id
+    (``trtllm_compat.client_id``), or under its prompt (``connector.prompt_key``) where it has none;
+    ``pop(client=None, ids=(), salt="")`` takes it back: the client's record, else the prompt's (0
+    if neither). At most ``max_entries`` are kept:
+    past that the oldest goes (``dropped`` counts them; an engine would then report 0 for it).
+    Thread-safe."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._items: "OrderedDict[tuple, int]" = OrderedDict()
+
+    @staticmethod
+    def _key(client: Optional[int], ids: Sequence[int], salt: str) -> tuple:
+        return ("client", int(client)) if client is not None else ("prompt", prompt_key(list(ids), salt))
+
+    def post(self, n: int, client: Optional[int] = None, ids: Sequence[int] = (), salt: str = "") -> None:
+        key = self._key(client, ids, salt)
+        with self._lock:
+            self._items.pop(key, None)
+            self._items[key] = int(n)
+            while len(self._items) > self.max_entries:
+                self._items.popitem(last=False)
+                self.dropped += 1
+
+    def pop(self, client: Optional[int] = None, ids: Sequence[int] = (), salt: str = "") -> int:
+        with self._lock:
+            if client is not None and ("client", int(client)) in self._items:
+                return self._items.pop(("client", int(client)))
+            return int(self._items.pop(self._key(None, ids, salt), 0)) if len(ids) else 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
 
 
 @dataclass
 class Shared:
     stage: Stage = field(default_factory=Stage)
     loads: HandOff = field(default_factory=HandOff)
-    promised: HandOff = field(default_factory=HandOff)
+    promised: Promised = field(default_factory=Promised)
     corrupt: KeySet = field(default_factory=KeySet)
     pages: Optional[KVPages] = None
 
