@@ -46,7 +46,9 @@ class ChunkEncoder:
         self.last_decode_s = 0.0
         self.last_restore_s = 0.0
 
-    def encode(self, kv: np.ndarray, key: str, chunk_index: int, token_start: int) -> bytes:
+    def encode(self, kv: np.ndarray, key: str, chunk_index: int, token_start: int, tenant: str = "") -> bytes:
+        """``tenant``: ``format.keys.tenant_id`` of the request's cache salt ("" unsalted): the header names
+        it, and an encrypted chunk is sealed with that tenant's key (``format.auth``)."""
         g = Geometry.of(kv)
         at = {"token_start": int(token_start)} if self.layout.needs_positions else {}
         planes, side = self.layout.to_planes(kv, **at)
@@ -66,6 +68,8 @@ class ChunkEncoder:
             "planes_shape": list(planes.shape),
             "writer": f"kvcodec/{__version__}",  # the release that wrote it (informational; covered by the tag)
         }
+        if tenant:
+            header["tenant"] = tenant
         if planes.dtype != np.uint8:
             header["planes_dtype"] = planes.dtype.name  # 10-bit layouts: uint16 samples
         payload = self.codec.encode(planes)

@@ -24,7 +24,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 from .connector.save import ChunkSaver
 from .format.auth import ChunkAuth
 from .format.codecs import Scheme
-from .format.keys import chunk_keys
+from .format.keys import chunk_keys, tenant_id
 from .format.ladder import rung_name
 from .serving.costs import CostModel
 from .store import KVStore
@@ -71,12 +71,15 @@ def default_workers() -> int:
 
 def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Scheme, Sequence[Scheme]],
            chunk_tokens: int, *, auth: ChunkAuth, threads: int = 1, workers: int = 1,
-           progress: Optional[Callable[[int], None]] = None, costs: Optional[CostModel] = None) -> IngestReport:
-    """Store every full chunk of ``token_ids`` for each scheme, signed with ``auth``; ``progress(n)``
+           progress: Optional[Callable[[int], None]] = None, costs: Optional[CostModel] = None,
+           salt: str = "") -> IngestReport:
+    """Store every full chunk of ``token_ids`` for each scheme, signed with ``auth``, under the keys of
+    cache salt ``salt`` (a tenant's; "" unsalted); ``progress(n)``
     is called as each chunk is done (all its rungs). ``workers`` chunks are encoded at once (each
     encoder with ``threads`` threads); ``encode_s`` then adds up the workers' seconds."""
     schemes: List[Scheme] = [scheme] if isinstance(scheme, Scheme) else list(scheme)
-    keys = {s.identity: chunk_keys(token_ids, engine.model_id, s.identity, chunk_tokens) for s in schemes}
+    keys = {s.identity: chunk_keys(token_ids, engine.model_id, s.identity, chunk_tokens, salt=salt) for s in schemes}
+    tenant = tenant_id(salt)
     n_chunks = len(token_ids) // chunk_tokens
     report = IngestReport(len(token_ids), n_chunks, 0, 0, 0, 0.0, 0.0,
                           {rung_name(s): RungReport() for s in schemes})
@@ -112,7 +115,7 @@ def ingest(engine, store: KVStore, token_ids: Sequence[int], scheme: Union[Schem
             for i, kv in enumerate(engine.prefill_chunks(token_ids, chunk_tokens)):
                 report.prefill_s += time.perf_counter() - t
                 jobs = [(s, keys[s.identity][i], pool.submit(encoders.encode, s, kv, keys[s.identity][i], i,
-                                                             i * chunk_tokens))
+                                                             i * chunk_tokens, tenant))
                         for s in schemes if not store.exists(keys[s.identity][i])]
                 pending.append((kv.size * 2, jobs))
                 # one worker: each chunk stored at once; else ``workers`` chunks encode while
@@ -158,13 +161,14 @@ class _Inline:
 
 def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, Sequence[str], None] = None,
                  store_url: Optional[str] = None, threads: Optional[int] = None,
-                 progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None) -> IngestReport:
+                 progress: Optional[Callable[[int], None]] = None, workers: Optional[int] = None,
+                 salt: str = "") -> IngestReport:
     """The one ingest path of the CLI and the tools: ``token_ids`` into the store at each rung
     (a ladder spec; default: the settings' ladder), bound to the engine's card (codec profile, KV
     dtype: ``Scheme.for_card``), with the measured costs recorded where the serving steps of
     ``settings`` read them; signed with the deployment's chunk key (``format.auth.auth_for``).
     ``workers``: chunk encoders side by side (default: the settings' ``ingest_workers``, whose 0
-    means ``default_workers()``)."""
+    means ``default_workers()``); ``salt``: the tenant's cache salt (``format.keys``)."""
     from dataclasses import replace
 
     from .format.auth import auth_for
@@ -178,7 +182,7 @@ def ingest_rungs(settings, engine, token_ids: Sequence[int], rungs: Union[str, S
     with open_store(url) as store:
         return ingest(engine, store, token_ids, schemes, settings.chunk_tokens, auth=auth_for(settings),
                       threads=max(1, threads if threads is not None else settings.threads), progress=progress,
-                      costs=costs, workers=_workers(settings, workers))
+                      costs=costs, workers=_workers(settings, workers), salt=salt)
 
 
 def _workers(settings, workers: Optional[int]) -> int:

@@ -23,6 +23,8 @@ name the field and the value.
 | link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
 | key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
+| trtllm_kv_fraction | KVCODEC_TRTLLM_KV_FRACTION | 0.6: the ``trtllm`` engine's KV pool, as a share of the GPU memory free after its weights (TensorRT-LLM's ``free_gpu_memory_fraction``; its own default, 0.9, leaves too little for the stage and the other steps: docs/deploy-trtllm.md, "GPU memory") |
+| encrypt_chunks | KVCODEC_ENCRYPT_CHUNKS | 0: chunks are signed, stored in the clear; 1: every chunk this process writes is encrypted (AES-256-GCM, a key per tenant derived from the chunk key) (10) |
 | key_file_previous | KVCODEC_KEY_FILE_PREVIOUS | empty; else a file of previous keys (hex, mode 0600) that verify but never sign: chunks they signed are used and re-signed with the current key (8) |
 | fetch_timeout_s | KVCODEC_FETCH_TIMEOUT_S | 20: the outer bound on a request's store calls; the fetcher gives up sooner, when recomputing is predicted faster (``kvcodec.serving.fetch``) |
 | writeback     | KVCODEC_WRITEBACK      | ``first``: after a miss, store the new full chunks at the ladder's first rung (3) |
@@ -56,6 +58,9 @@ are in docs/operations.md, "Rotating the chunk key" (``kvcodec.format.auth``, ``
 (9) ``kvcodec.store.tiered``: the local tier outlives the engine (a restarted server, a second
 engine on the machine read it), unlike the engine's own prefix cache; the adaptive fetcher prices it
 as a link of its own, and ``kvcodec_tier_chunks_total{tier}`` counts the chunks each tier served.
+(10) ``kvcodec.format.auth``: readers decrypt whatever is encrypted, whatever this setting says; a
+tenant's key is HKDF of the chunk key with the request's cache salt, so one leaked tenant key opens
+that tenant's chunks alone; what it costs and when to leave it off: docs/operations.md, "Tenants".
 (4) a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files) of a Llama-family
 model (``kvcodec.engines.model_files.ARCHITECTURES``); its identity, KV geometry and tokenizer come
 from the folder, its codec profile is fitted with ``kvcodec profile fit --model DIR``.
@@ -108,6 +113,8 @@ class Settings:
     key_file_previous: Optional[Path] = None  # previous chunk keys: verify, never sign (format.auth)
     local_store: str = ""  # a store on this machine read before ``store`` ("": none; store.tiered)
     local_store_mb: int = 1024  # what the local store may hold
+    encrypt_chunks: bool = False  # chunks written are encrypted per tenant (format.auth)
+    trtllm_kv_fraction: float = 0.6  # the trtllm engine's free_gpu_memory_fraction
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -175,6 +182,10 @@ class Settings:
         if local_store and "://" not in local_store:
             raise ConfigError(f"local_store must be a store URL (file:///dev/shm/kvcodec), got {local_store!r}")
         local_store_mb = _int("local_store_mb", raw("local_store_mb") or "1024", minimum=1)
+        encrypt_chunks = _bool("encrypt_chunks", raw("encrypt_chunks") or "0")
+        trtllm_kv_fraction = _float("trtllm_kv_fraction", raw("trtllm_kv_fraction") or "0.6", minimum=0.01)
+        if trtllm_kv_fraction >= 1.0:
+            raise ConfigError(f"trtllm_kv_fraction must be below 1, got {trtllm_kv_fraction}")
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -186,7 +197,8 @@ class Settings:
                    stream_loads=stream_loads, async_loads=async_loads, step_tokens=step_tokens,
                    prefill_slice=prefill_slice, entropy=entropy, writeback_pending=writeback_pending,
                    exclude_input_in_output=exclude_input_in_output, prefix_cache=prefix_cache,
-                   key_file_previous=key_file_previous, local_store=local_store, local_store_mb=local_store_mb)
+                   key_file_previous=key_file_previous, local_store=local_store, local_store_mb=local_store_mb,
+                   encrypt_chunks=encrypt_chunks, trtllm_kv_fraction=trtllm_kv_fraction)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -221,6 +233,8 @@ class Settings:
             "KVCODEC_PREFIX_CACHE": "1" if self.prefix_cache else "0",
             "KVCODEC_LOCAL_STORE": self.local_store,
             "KVCODEC_LOCAL_STORE_MB": str(self.local_store_mb),
+            "KVCODEC_ENCRYPT_CHUNKS": "1" if self.encrypt_chunks else "0",
+            "KVCODEC_TRTLLM_KV_FRACTION": repr(self.trtllm_kv_fraction),
         }
 
 

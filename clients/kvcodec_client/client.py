@@ -1,7 +1,7 @@
 """Call the ``kvcodec`` ensemble over gRPC (tritonclient streaming) or HTTP (Triton's
 ``generate_stream`` endpoint, server-sent events), and measure time-to-first-token.
 
-``KVCodecClient(url, protocol).generate(prompt, max_tokens, reuse=True, codecs=None, **sampling)``
+``KVCodecClient(url, protocol).generate(prompt, max_tokens, reuse=True, codecs=None, cache_salt=None, **sampling)``
 returns a ``GenerateResult``: the generated token ids, the text, the TTFT seen by the client (from
 sending the request to the first token's response), the total time, how many prompt tokens the
 server reused and how many it read (``prompt_tokens``), and the server's statistics (JSON of the
@@ -12,7 +12,9 @@ takes the ensemble's inputs by their TensorRT-LLM names: ``temperature``, ``top_
 ``frequency_penalty``, ``stop_words``, ``bad_words`` (lists of strings). The answer always streams
 (one response per token: the TTFT is measured), without the prompt. ``codecs``
 (a comma list of rung specs such as ``raw`` or ``video:12``) restricts the request to those rungs;
-left out, the server's ladder and its adaptive choice apply.
+left out, the server's ladder and its adaptive choice apply. ``cache_salt`` (a string) names the
+caller's tenant, as vLLM's OpenAI ``cache_salt``: only KV stored under the same salt is reused, and
+the answer's KV is written back under it (sent as the ``cache_salt`` input).
 A request the server refuses raises ``ClientError`` with the server's message and status.
 
 ``fallback_s`` (default 0: off) is the client's answer to a server that fails a request it did not
@@ -156,7 +158,7 @@ class KVCodecClient:
         self.fallback_s = fallback_s
 
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bool = True,
-                 codecs: Optional[str] = None, **sampling: Any) -> GenerateResult:
+                 codecs: Optional[str] = None, cache_salt: Optional[str] = None, **sampling: Any) -> GenerateResult:
         unknown = set(sampling) - set(SAMPLING)
         if unknown:
             raise ValueError(f"unknown sampling input(s): {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING)})")
@@ -164,7 +166,8 @@ class KVCodecClient:
         deadline: Optional[float] = None
         while True:
             try:
-                result = self._once(request_inputs(prompt, max_tokens, reuse and not failures, codecs, sampling))
+                result = self._once(request_inputs(prompt, max_tokens, reuse and not failures, codecs, sampling,
+                                                   cache_salt))
             except ClientError as exc:
                 if not exc.retryable or self.fallback_s <= 0:
                     raise
@@ -285,7 +288,7 @@ _NUMPY = {"FP32": np.float32, "INT32": np.int32, "UINT64": np.uint64, "BOOL": np
 
 
 def request_inputs(prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bool, codecs: Optional[str],
-                   sampling: dict) -> List[Tuple[str, np.ndarray, str]]:
+                   sampling: dict, cache_salt: Optional[str] = None) -> List[Tuple[str, np.ndarray, str]]:
     """The request's inputs as (name, array, Triton type), each with the ensemble's batch dimension
     (one sequence: ``[1, ...]``): text as ``text_input``, token ids as ``input_ids``; always
     streamed, the prompt left out of the answer, its token count asked for."""
@@ -298,6 +301,8 @@ def request_inputs(prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bo
             ("return_num_input_tokens", np.array([True]), "BOOL")]
     if codecs:
         out.append(("codecs", np.array([codecs.encode()], dtype=np.object_), "BYTES"))
+    if cache_salt:
+        out.append(("cache_salt", np.array([cache_salt.encode("utf-8")], dtype=np.object_), "BYTES"))
     for name, value in sampling.items():
         if value is None:
             continue

@@ -65,7 +65,8 @@ def cmd_generate(args) -> int:
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
                 "stop_words": args.stop or None}
     try:
-        result = client.generate(prompt, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs, **sampling)
+        result = client.generate(prompt, args.max_tokens, reuse=not args.no_reuse, codecs=args.codecs,
+                                 cache_salt=args.cache_salt, **sampling)
     except (ClientError, ConnectionError, OSError) as exc:
         print(f"kvcodec generate: {exc}", file=sys.stderr)
         return 1
@@ -99,6 +100,8 @@ def register(sub) -> None:
     p.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     p.add_argument("--no-reuse", action="store_true", help="force full prefill")
     p.add_argument("--codecs", help="this request only: rung specs to fetch from (default: the server's ladder)")
+    p.add_argument("--cache-salt", metavar="SALT",
+                   help="the caller's tenant: only KV stored under this salt is reused (kvcodec ingest --cache-salt)")
     p.add_argument("--fallback-s", type=float, default=60.0,
                    help="after a server failure (a stub that died, a restart), ask again as prefill for this "
                         "many seconds (0: report the failure)")

@@ -63,7 +63,7 @@ def cmd_ingest(args) -> int:
               file=sys.stderr)
         return 1
     with tqdm(total=n_chunks, unit="chunk", desc="ingest", disable=args.quiet) as bar:
-        report = ingest_rungs(settings, engine, ids, codec, progress=bar.update)
+        report = ingest_rungs(settings, engine, ids, codec, progress=bar.update, salt=args.cache_salt or "")
     summary = {"tokens": report.tokens, "chunks": report.chunks, "written": report.written,
                "bytes_written": report.bytes_written, "ratio_vs_fp16": round(report.ratio_vs_fp16, 3),
                "prefill_s": round(report.prefill_s, 3), "encode_s": round(report.encode_s, 3),
@@ -110,6 +110,9 @@ def register(sub) -> None:
     p.add_argument("--codec",
                    help="a rung spec NAME[:QUALITY], or a comma list of them (default: the server's ladder)")
     p.add_argument("--quality", type=int, help="the codec's quality setting (video: QP)")
+    p.add_argument("--cache-salt", metavar="SALT",
+                   help="store under this tenant's keys: only requests with the same cache salt reuse them "
+                        "(docs/operations.md, \"Tenants\")")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_ingest)

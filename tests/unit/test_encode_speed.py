@@ -235,10 +235,10 @@ def test_an_encode_error_in_a_worker_reaches_the_caller(monkeypatch):
 
     real = ChunkEncoder.encode
 
-    def encode(self, kv, key, i, token_start):
+    def encode(self, kv, key, i, token_start, tenant=""):
         if i == 2:
             raise RuntimeError("encoder broke on chunk 2")
-        return real(self, kv, key, i, token_start)
+        return real(self, kv, key, i, token_start, tenant)
 
     monkeypatch.setattr(ChunkEncoder, "encode", encode)
     store = RecordingStore()

@@ -129,7 +129,8 @@ TRTLLM_INPUTS = {
     "exclude_input_in_output": ("TYPE_BOOL", [1]), "return_num_input_tokens": ("TYPE_BOOL", [1]),
     "return_num_output_tokens": ("TYPE_BOOL", [1]),
 }
-OUR_INPUTS = {"input_ids": ("TYPE_INT32", [-1]), "reuse": ("TYPE_BOOL", [1]), "codecs": ("TYPE_STRING", [1])}
+OUR_INPUTS = {"input_ids": ("TYPE_INT32", [-1]), "reuse": ("TYPE_BOOL", [1]), "codecs": ("TYPE_STRING", [1]),
+              "cache_salt": ("TYPE_STRING", [1])}
 
 
 def test_ensemble_inputs_are_tensorrt_llms_and_ours(configs):
@@ -248,8 +249,8 @@ def _model_yaml(trt_repo):
 
 def test_the_trtllm_variant_is_tensorrt_llms_model_alone_without_its_model_py(trt_repo):
     files = sorted(str(p.relative_to(trt_repo)) for p in trt_repo.rglob("*") if p.is_file())
-    assert files == ["tensorrt_llm/1/kvcodec-trtllm.json", "tensorrt_llm/1/model.yaml", "tensorrt_llm/README.txt",
-                     "tensorrt_llm/config.pbtxt"]
+    assert files == [".kvcodec-repository", "tensorrt_llm/1/kvcodec-trtllm.json", "tensorrt_llm/1/model.yaml",
+                     "tensorrt_llm/README.txt", "tensorrt_llm/config.pbtxt"]
     readme = (trt_repo / TRTLLM_MODEL / "README.txt").read_text()
     assert f"{TRTLLM_MODEL_PY}/model.py" in readme and "TRTLLM_KVCODEC_CONFIG" in readme
 

@@ -111,27 +111,28 @@ class ChunkSaver:
             encoders[scheme.identity] = ChunkEncoder(scheme, self.model_id, auth=self.auth, threads=self.threads)
         return encoders[scheme.identity]
 
-    def keys(self, ids: Sequence[int], index: int) -> Tuple[str, ...]:
-        return tuple(chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=index + 1)[index]
-                     for s in self.schemes)
+    def keys(self, ids: Sequence[int], index: int, salt: str = "") -> Tuple[str, ...]:
+        return tuple(chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=index + 1,
+                                salt=salt)[index] for s in self.schemes)
 
     def encode(self, scheme: Scheme, kv: np.ndarray, key: str, index: int,
-               start: int) -> Tuple[bytes, float, float, float]:
+               start: int, tenant: str = "") -> Tuple[bytes, float, float, float]:
         enc = self._encoder(scheme)
         t = time.perf_counter()
-        data = enc.encode(kv, key, index, start)
+        data = enc.encode(kv, key, index, start, tenant)
         return data, time.perf_counter() - t, enc.last_decode_s, enc.last_restore_s
 
     def save(self, keys: Sequence[str], index: int, start: int, kv: np.ndarray,
-             replace: FrozenSet[str] = frozenset()) -> "Saved":
+             replace: FrozenSet[str] = frozenset(), tenant: str = "") -> "Saved":
         """Store the chunk at every rung whose key the store lacks (a create: a key another writer
-        stores meanwhile keeps that writer's copy), or that ``replace`` names (overwritten)."""
+        stores meanwhile keeps that writer's copy), or that ``replace`` names (overwritten);
+        ``tenant``: the keys' tenant (``format.keys.tenant_id``)."""
         saved = Saved()
         for scheme, key in zip(self.schemes, keys, strict=True):
             if key not in replace and self.store.exists(key):
                 saved.present += 1
                 continue
-            data, encode_s, decode_s, restore_s = self.encode(scheme, kv, key, index, start)
+            data, encode_s, decode_s, restore_s = self.encode(scheme, kv, key, index, start, tenant)
             if self.observe is not None:
                 try:
                     self.observe(scheme.identity, self.chunk_tokens, len(data), decode_s, restore_s)

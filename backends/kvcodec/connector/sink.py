@@ -3,10 +3,11 @@
 ``WriteBackSink(saver, max_pending=8)`` wraps a ``ChunkSaver`` (the rungs, the store, the key) in a
 ``WriteBack`` queue (one background thread, bounded: a full queue drops, counted):
 
-- ``for_prompt(ids) -> SaveSink``: the sink the worker core hands a request's chunks to (``(index,
-  start, kv)`` with ``kv`` a ``worker.HostCopy`` or an array); one queued job per chunk, the count
-  accepted returned. The chunk keys are computed on the write-back thread, once per prompt (a hash
-  chain over the prompt: never on the engine's step);
+- ``for_prompt(ids, salt="") -> SaveSink``: the sink the worker core hands a request's chunks to
+  (``(index, start, kv)`` with ``kv`` a ``worker.HostCopy`` or an array); one queued job per chunk,
+  the count accepted returned. The chunk keys (of the request's cache salt: its tenant's) are
+  computed on the write-back thread, once per prompt (a hash chain over the prompt: never on the
+  engine's step);
 - ``corrupt`` (a ``KeySet``, may be shared with a reader): keys whose stored copy was found corrupt;
   the next save of that chunk replaces it instead of keeping it (bounded, oldest forgotten first);
 - ``stats()``: ``WriteBack.stats`` (jobs) plus ``written`` (chunk copies, one per rung, this sink
@@ -25,7 +26,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..format.keys import chunk_keys
+from ..format.keys import chunk_keys, tenant_id
 from .save import ChunkSaver
 from .writeback import WriteBack
 
@@ -35,8 +36,9 @@ MAX_CORRUPT = 4096
 class _PromptKeys:
     """The chunk keys of one prompt at every rung, computed once, on first use (any thread)."""
 
-    def __init__(self, saver: ChunkSaver, ids: Sequence[int], chunks: int) -> None:
-        self._saver, self._ids, self._chunks = saver, list(ids), chunks
+    def __init__(self, saver: ChunkSaver, ids: Sequence[int], chunks: int, salt: str = "") -> None:
+        self._saver, self._ids, self._chunks, self.salt = saver, list(ids), chunks, salt
+        self.tenant = tenant_id(salt)
         self._lock = threading.Lock()
         self._keys: Optional[List[Tuple[str, ...]]] = None
 
@@ -44,8 +46,8 @@ class _PromptKeys:
         with self._lock:
             if self._keys is None:
                 s = self._saver
-                per_rung = [chunk_keys(self._ids, s.model_id, scheme.identity, s.chunk_tokens, max_chunks=self._chunks)
-                            for scheme in s.schemes]
+                per_rung = [chunk_keys(self._ids, s.model_id, scheme.identity, s.chunk_tokens, max_chunks=self._chunks,
+                                       salt=self.salt) for scheme in s.schemes]
                 self._keys = [tuple(k[i] for k in per_rung) for i in range(self._chunks)]
             return self._keys[index]
 
@@ -87,8 +89,8 @@ class WriteBackSink:
         self._lock = threading.Lock()
         self._written = self._present = 0  # rung copies: stored by this sink / found stored by another writer
 
-    def for_prompt(self, ids: Sequence[int]):
-        keys = _PromptKeys(self.saver, ids, len(ids) // self.saver.chunk_tokens)
+    def for_prompt(self, ids: Sequence[int], salt: str = ""):
+        keys = _PromptKeys(self.saver, ids, len(ids) // self.saver.chunk_tokens, salt)
 
         def sink(chunks: List[Tuple[int, int, Any]]) -> int:
             return sum(bool(self.queue.offer((keys, index, start, kv))) for index, start, kv in chunks)
@@ -100,7 +102,7 @@ class WriteBackSink:
         chunk_keys_ = keys.of(index)
         replace = frozenset(k for k in chunk_keys_ if k in self.corrupt)
         array = kv if isinstance(kv, np.ndarray) else kv.get()
-        saved = self.saver.save(chunk_keys_, index, start, array, replace)
+        saved = self.saver.save(chunk_keys_, index, start, array, replace, keys.tenant)
         with self._lock:
             self._written += saved.written
             self._present += saved.present

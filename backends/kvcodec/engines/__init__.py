@@ -103,7 +103,11 @@ class Engine(Protocol):
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]: ...
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional["StreamReport"] = None, load=None, sampling: Sampling = GREEDY) -> Iterator[int]: ...
+               report: Optional["StreamReport"] = None, load=None, sampling: Sampling = GREEDY,
+               salt: str = "") -> Iterator[int]:
+        """The answer's tokens. ``salt``: the request's cache salt (its tenant): the engine's own
+        prefix cache and write-back keep it apart from other salts (``format.keys``); only passed
+        when not empty."""
 
     def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
 

@@ -134,7 +134,7 @@ class TransformersEngine(model_files.EngineFiles):
         return cache
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[StreamReport] = None, sampling: Sampling = GREEDY) -> Iterator[int]:
+               report: Optional[StreamReport] = None, sampling: Sampling = GREEDY, salt: str = "") -> Iterator[int]:
         from .torch_sampler import TokenPicker
 
         torch = self._torch
@@ -158,18 +158,19 @@ class TransformersEngine(model_files.EngineFiles):
                 token = picker.pick(logits[0, -1])
                 yield token
                 if step == 0:  # the prompt's KV is in the cache and the first token is out
-                    self._save(ids, start, cache, report)
+                    self._save(ids, start, cache, report, salt)
                 if token == end_id:
                     return
                 x = torch.tensor([[token]], device=self.device)
 
-    def _save(self, ids: Sequence[int], start: int, cache, report: Optional[StreamReport]) -> None:
-        """Hand the prompt's full chunks computed here (past ``start``) to the write-back sink."""
+    def _save(self, ids: Sequence[int], start: int, cache, report: Optional[StreamReport], salt: str = "") -> None:
+        """Hand the prompt's full chunks computed here (past ``start``) to the write-back sink (under
+        the keys of cache salt ``salt``: the request's tenant's)."""
         if self.writeback is None:
             return
         c = self.writeback.saver.chunk_tokens
         first = -(-start // c)  # the chunks before ``start`` came from the store
         chunks = [(i, i * c, self._cache_to_numpy(cache, i * c, (i + 1) * c)) for i in range(first, len(ids) // c)]
-        saved = self.writeback.for_prompt(ids)(chunks) if chunks else 0
+        saved = self.writeback.for_prompt(ids, salt)(chunks) if chunks else 0
         if report is not None:
             report.saved_chunks = saved

@@ -113,23 +113,24 @@ class Standalone:
         rid = request.request_id
         reading = self._reading.get(rid)
         ids = list(request.prompt_token_ids or [])
+        salt = request_salt(request)
         if reading is None:
             self.counters["requests"] += 1
             self.counters["local_tokens"] += int(computed_tokens)
             self.metrics.local(computed_tokens)
             stored_max = reusable_chunks(len(ids), self.chunk_tokens) * self.chunk_tokens
             if computed_tokens >= stored_max:  # vLLM holds every chunk the store could: nothing to read
-                return self._post(rid, ids, None)
-            reading = self._reading[rid] = self.reads.start(ids)
+                return self._post(rid, ids, None, salt)
+            reading = self._reading[rid] = self.reads.start(ids, salt)
             self.counters["remote_reads"] += 1
         if not reading.ready.is_set():
             return PENDING
         del self._reading[rid]
-        return self._post(rid, ids, reading.session)
+        return self._post(rid, ids, reading.session, salt)
 
-    def _post(self, rid: str, ids: List[int], session: Optional[LoadSession]) -> "Offer":
+    def _post(self, rid: str, ids: List[int], session: Optional[LoadSession], salt: str) -> "Offer":
         offer = Offer(session=session, chunk_tokens=self.chunk_tokens,
-                      save=self.sink.for_prompt(ids) if self.sink is not None else None, own=True)
+                      save=self.sink.for_prompt(ids, salt) if self.sink is not None else None, own=True)
         HANDOFF.post(rid, offer)
         return offer
 
@@ -143,6 +144,13 @@ class Standalone:
         self.reads.close()
         if self.sink is not None:
             self.sink.close()
+
+
+def request_salt(request) -> str:
+    """vLLM's ``Request.cache_salt`` (the OpenAI request's ``cache_salt``), "" when unsalted: the
+    tenant whose chunks alone the request may read and write (``format.keys``), as vLLM keeps its
+    own prefix cache apart by it."""
+    return str(getattr(request, "cache_salt", None) or "")
 
 
 def standalone_settings(vllm_config):

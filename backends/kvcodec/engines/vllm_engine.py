@@ -167,14 +167,15 @@ class VllmEngine(model_files.EngineFiles):
 
     # -- the contract (geometry, tokenize, detokenizer: model_files.EngineFiles) ------------------
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[StreamReport] = None, load=None, sampling: Sampling = GREEDY) -> Iterator[int]:
+               report: Optional[StreamReport] = None, load=None, sampling: Sampling = GREEDY,
+               salt: str = "") -> Iterator[int]:
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
         if past_kv is not None and past_kv.shape[3] >= len(ids):
             raise BadRequest("restored KV covers the whole prompt; at least one token must be computed")
-        save = self.writeback.for_prompt(list(ids)) if self.writeback is not None else None
+        save = self.writeback.for_prompt(list(ids), salt) if self.writeback is not None else None
         yield from self._run(ids, max_tokens, load if load is not None else past_kv, save, report,
-                             sampling=sampling)
+                             sampling=sampling, salt=salt)
 
     def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]:
         if chunk_tokens != self.chunk_tokens:
@@ -229,11 +230,13 @@ class VllmEngine(model_files.EngineFiles):
 
     # -- one request --------------------------------------------------------------------------
     def _run(self, ids, max_tokens: int, past, save, report: Optional[StreamReport],
-             extra: Optional[dict] = None, sampling: Sampling = GREEDY, private: bool = False) -> Iterator:
+             extra: Optional[dict] = None, sampling: Sampling = GREEDY, private: bool = False,
+             salt: str = "") -> Iterator:
         """The request's tokens as they come; with ``extra`` (more sampling parameters) its one
         final ``RequestOutput`` instead. ``past``: a ``LoadSession``, KV in hand, or None.
         ``private``: a cache salt of its own, so vLLM's prefix cache gives it nothing (ingest must
-        compute every chunk it saves; scoring must load the KV it is given)."""
+        compute every chunk it saves; scoring must load the KV it is given); else ``salt``, the
+        request's cache salt: vLLM's prefix cache keeps tenants apart by it."""
         from ..connector import LoadSession
         from .vllm_connector import HANDOFF, Offer
 
@@ -245,8 +248,8 @@ class VllmEngine(model_files.EngineFiles):
         tokens: "queue.Queue" = queue.Queue()
         params = extra if extra else vllm_sampling(sampling)  # a scoring request's, or the sampling's
         prompt = {"prompt_token_ids": list(ids)}
-        if private:
-            prompt["cache_salt"] = request_id
+        if private or salt:
+            prompt["cache_salt"] = request_id if private else salt
         self._inbox.put(("add", request_id, prompt, int(max_tokens), tokens, params))
         done = False
         try:

@@ -19,6 +19,17 @@ cover the header itself:
 tag (``ForeignChunk``: another key, or altered by someone without it) and every section's digest
 (``CorruptChunk``): a container that parses is exactly what a holder of the key wrote. Format
 version 1 (no tag) is foreign to this build.
+
+Encrypted chunks (``to_bytes`` with ``auth.encrypt``, or ``encrypt=True``): the header says
+``cipher: aes-256-gcm`` and names the tenant (``tenant``: ``format.keys.tenant_id`` of the cache
+salt, "" unsalted); every section is sealed with the tenant's key (``format.auth``), bound to the
+header (the canonical header without its section table and cover fields, plus the section's name,
+is the AEAD's associated data), and the header fields that would tell something of the KV
+(``SEALED_FIELDS``: the digest of the decoded planes, which would let anyone holding a guess of a
+prompt confirm it) move into a sealed section of their own. Section digests are then over the
+ciphertext. ``parse`` decrypts with the key that signed the chunk and gives back the plaintext
+sections, their digests and the sealed fields, as if the chunk had been stored in the clear
+(``Container.encrypted`` says it was not); a section that does not open is ``ForeignChunk``.
 """
 from __future__ import annotations
 
@@ -29,13 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict
 
 from ..errors import CorruptChunk, ForeignChunk
-from .auth import ChunkAuth
+from .auth import CIPHER, CURRENT, PREVIOUS, ChunkAuth
 
 MAGIC = b"KVCC"
 FORMAT_VERSION = 2
 _COVER = ("tag", "header_digest")  # the fields that cover the header, empty while it is hashed
 _PREFIX = struct.Struct("<4sHI")
 _MAX_HEADER = 1 << 20
+SEALED = "sealed"  # the section holding the sealed header fields of an encrypted chunk
+SEALED_FIELDS = ("planes_digest",)
 
 
 def _digest(data: bytes) -> str:
@@ -46,6 +59,11 @@ def _canonical(header: Dict[str, Any], *empty: str) -> bytes:
     return json.dumps(dict(header, **{k: "" for k in empty}), sort_keys=True).encode()
 
 
+def _aad(header: Dict[str, Any], name: str) -> bytes:
+    """A sealed section's associated data: the header as a reader sees it, and the section's name."""
+    return _canonical(header) + b"|section:" + name.encode()
+
+
 @dataclass
 class Container:
     """A parsed chunk: its header fields and named byte sections."""
@@ -54,25 +72,37 @@ class Container:
     sections: Dict[str, bytes] = field(default_factory=dict)
     digests: Dict[str, str] = field(default_factory=dict)  # per section, as verified by ``parse``
     signer: str = "current"  # the key whose tag ``parse`` verified: current or previous (``format.auth``)
+    encrypted: bool = False  # it was stored encrypted (``parse``)
 
-    def to_bytes(self, auth: ChunkAuth) -> bytes:
-        """The container's bytes, signed with ``auth``."""
+    def to_bytes(self, auth: ChunkAuth, encrypt: bool | None = None) -> bytes:
+        """The container's bytes, signed with ``auth``; encrypted for its ``tenant`` when ``encrypt``
+        (None: as ``auth.encrypt`` says)."""
         header = dict(self.header)
+        header.pop("cipher", None)
+        sections = dict(self.sections)
+        if auth.encrypt if encrypt is None else encrypt:
+            sealed = {k: header.pop(k) for k in SEALED_FIELDS if k in header}
+            header["cipher"] = CIPHER
+            header.setdefault("tenant", "")
+            if sealed:
+                sections[SEALED] = json.dumps(sealed, sort_keys=True).encode()
+            tenant = str(header["tenant"])
+            sections = {name: auth.seal(tenant, _aad(header, name), data) for name, data in sections.items()}
         header["sections"] = [
-            {"name": name, "length": len(data), "digest": _digest(data)} for name, data in self.sections.items()
+            {"name": name, "length": len(data), "digest": _digest(data)} for name, data in sections.items()
         ]
         header["key_id"] = auth.key_id
         header["tag"] = auth.tag(_canonical(header, *_COVER))
         header["header_digest"] = _digest(_canonical(header, "header_digest"))
         blob = json.dumps(header, sort_keys=True).encode()
         parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)), blob]
-        parts.extend(self.sections.values())
+        parts.extend(sections.values())
         return b"".join(parts)
 
     def without(self, *names: str) -> "Container":
         """A copy without the named sections (e.g. the bitstream, once decoded)."""
         return Container(dict(self.header), {k: v for k, v in self.sections.items() if k not in names},
-                         {k: v for k, v in self.digests.items() if k not in names}, self.signer)
+                         {k: v for k, v in self.digests.items() if k not in names}, self.signer, self.encrypted)
 
     def expect(self, **fields: Any) -> None:
         """Raise ``ForeignChunk`` unless each header field has the expected value."""
@@ -112,8 +142,8 @@ def parse(data, auth: ChunkAuth) -> Container:
         raise CorruptChunk(f"chunk header unreadable: {exc}") from None
     if _digest(_canonical(header, "header_digest")) != stored_digest:
         raise CorruptChunk("chunk header checksum mismatch")
-    signer = auth.signer(_canonical(header, *_COVER), header.get("tag"))
-    if not signer:
+    master = auth.signer_index(_canonical(header, *_COVER), header.get("tag"))
+    if master < 0:
         raise ForeignChunk(f"chunk is not signed with this deployment's key (written with key "
                            f"{str(header.get('key_id'))[:16]!r}, this key is {auth.key_id!r})")
     offset = _PREFIX.size + header_len
@@ -138,10 +168,26 @@ def parse(data, auth: ChunkAuth) -> Container:
     if offset != len(data):
         raise CorruptChunk(f"{len(data) - offset} trailing bytes after the last section")
     header = {k: v for k, v in header.items() if k not in ("sections", "key_id") + _COVER}
-    return Container(header, sections, digests, signer)
+    signer = CURRENT if master == 0 else PREVIOUS
+    if "cipher" not in header:
+        return Container(header, sections, digests, signer)
+    if header["cipher"] != CIPHER:
+        raise ForeignChunk(f"chunk cipher {str(header['cipher'])[:32]!r} is not one this build reads")
+    tenant = str(header.get("tenant", ""))
+    plain = {name: auth.unseal(tenant, _aad(header, name), body, master) for name, body in sections.items()}
+    sealed = plain.pop(SEALED, None)
+    if sealed is not None:
+        try:
+            fields = json.loads(sealed)
+        except ValueError:
+            raise CorruptChunk("sealed header fields unreadable") from None
+        header.update({k: v for k, v in fields.items() if k in SEALED_FIELDS} if isinstance(fields, dict) else {})
+    return Container(header, plain, {name: _digest(body) for name, body in plain.items()}, signer, encrypted=True)
 
 
 def resign(data, auth: ChunkAuth) -> bytes:
     """A chunk ``auth`` verifies (with its current or a previous key), signed with the current key:
-    the same header fields and sections, a new tag and ``key_id``."""
-    return parse(data, auth).to_bytes(auth)
+    the same header fields and sections, a new tag and ``key_id``; encrypted with the current key if
+    it was encrypted (or ``auth.encrypt`` says so)."""
+    chunk = parse(data, auth)
+    return chunk.to_bytes(auth, encrypt=auth.encrypt or chunk.encrypted)

@@ -155,9 +155,10 @@ class Fetcher:
 
     # -- plan --------------------------------------------------------------------------------
     def plan(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None,
-             deadline: Optional[float] = None) -> Plan | None:
-        """``deadline``: a ``time.monotonic()`` by which the look-up must be done (``StoreTimeout`` after)."""
-        schemes, all_keys = self._keys(ids, schemes)
+             deadline: Optional[float] = None, salt: str = "") -> Plan | None:
+        """``deadline``: a ``time.monotonic()`` by which the look-up must be done (``StoreTimeout`` after);
+        ``salt``: the request's cache salt (its tenant's keys, ``format.keys``)."""
+        schemes, all_keys = self._keys(ids, schemes, salt)
         flat = [k for keys in all_keys for k in keys]
         futures = [self.calls.submit(self.store.exists, k, deadline=deadline) for k in flat]
         present = dict(zip(flat, self.calls.wait(futures, deadline, "look-up"), strict=True))
@@ -167,19 +168,21 @@ class Fetcher:
         plan = Plan(runs, local)
         return plan if plan.n_chunks else None
 
-    def plan_local(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None) -> Plan | None:
+    def plan_local(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]] = None,
+                   salt: str = "") -> Plan | None:
         """The plan of what the local tier alone holds (its own calls, no pool, no breaker)."""
-        schemes, all_keys = self._keys(ids, schemes)
+        schemes, all_keys = self._keys(ids, schemes, salt)
         present = {k: self.store.holds_locally(k) for keys in all_keys for k in keys}
         runs = _runs(schemes, all_keys, present)
         plan = Plan(runs, frozenset(k for _, keys in runs for k in keys), local_only=True)
         return plan if plan.n_chunks else None
 
-    def _keys(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]]) -> Tuple[List[Scheme], List[List[str]]]:
-        """The rungs to look up and each one's chunk keys for ``ids``."""
+    def _keys(self, ids: Sequence[int], schemes: Optional[Sequence[Scheme]],
+              salt: str = "") -> Tuple[List[Scheme], List[List[str]]]:
+        """The rungs to look up and each one's chunk keys for ``ids`` (under cache salt ``salt``)."""
         limit = reusable_chunks(len(ids), self.chunk_tokens)
         schemes = list(schemes or self.schemes)
-        return schemes, [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit)
+        return schemes, [chunk_keys(ids, self.model_id, s.identity, self.chunk_tokens, max_chunks=limit, salt=salt)
                          for s in schemes]
 
     # -- choice ------------------------------------------------------------------------------
@@ -241,8 +244,9 @@ class Fetcher:
 
     # -- fetch -------------------------------------------------------------------------------
     def fetch(self, ids: Sequence[int], session: str, reuse: bool = True,
-              codecs: Optional[Sequence[str]] = None) -> Iterator[Tuple[ChunkInfo, bytes]]:
-        """``codecs``: rung specs for this request only (a static choice among them)."""
+              codecs: Optional[Sequence[str]] = None, salt: str = "") -> Iterator[Tuple[ChunkInfo, bytes]]:
+        """``codecs``: rung specs for this request only (a static choice among them); ``salt``: the
+        request's cache salt (only its tenant's chunks are looked up)."""
         t_request, t0 = time.time(), time.monotonic()
         adaptive = self.adaptive and not codecs
         self.costs.reload()
@@ -255,7 +259,7 @@ class Fetcher:
             lookup_by = t0 + (self.timeout_s if codecs else self.give_up_s(longest))
             try:
                 schemes = parse_ladder(list(codecs), self.card) if codecs else None
-                plan = self.plan(ids, schemes, lookup_by)
+                plan = self.plan(ids, schemes, lookup_by, salt)
             except StoreTimeout:
                 reason = f"store lookup timed out: no answer within {lookup_by - t0:.2f}s"
             except KVCodecError as exc:
@@ -263,7 +267,7 @@ class Fetcher:
         elif reuse and reason and hasattr(self.store, "holds_locally"):
             # the remote store is kept out; what this machine's tier holds is still read
             try:
-                plan = self.plan_local(ids, parse_ladder(list(codecs), self.card) if codecs else None)
+                plan = self.plan_local(ids, parse_ladder(list(codecs), self.card) if codecs else None, salt)
             except KVCodecError as exc:
                 reason = f"{reason}; local look-up failed: {exc}"
         if plan is None:

@@ -45,7 +45,8 @@ STATS_WAIT_S = 5.0  # at the first token, how long to wait for the infos of chun
 
 
 def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assembled, Chunks],
-             sampling: Sampling = GREEDY) -> Iterator[Event]:
+             sampling: Sampling = GREEDY, salt: str = "") -> Iterator[Event]:
+    """``salt``: the request's cache salt (its tenant), passed to the engine when not empty."""
     sampling.check().refuse(engine.sampling_fields | GENERATE_FIELDS, engine.name)
     load = None
     if isinstance(source, Chunks):
@@ -69,8 +70,9 @@ def generate(engine, ids: Sequence[int], max_tokens: int, source: Union[Assemble
     n = 0
     pending: Optional[Event] = None
     report = StreamReport()
-    tokens = engine.stream(ids, max_tokens, None, report=report, load=load.session, sampling=sampling) \
-        if load is not None else engine.stream(ids, max_tokens, past, report=report, sampling=sampling)
+    tenant = {"salt": salt} if salt else {}  # an engine that knows no salts still serves unsalted requests
+    tokens = engine.stream(ids, max_tokens, None, report=report, load=load.session, sampling=sampling, **tenant) \
+        if load is not None else engine.stream(ids, max_tokens, past, report=report, sampling=sampling, **tenant)
     stops = StopText(sampling.stop_words)
     for token in tokens:
         if pending is not None:

@@ -76,19 +76,20 @@ class ReadPath:
         self._decoding = threading.Lock()
         self.counters: Dict[str, int] = {"reads": 0, "planned_tokens": 0, "loaded_chunks": 0, "failed": 0}
 
-    def start(self, ids: Sequence[int]) -> Reading:
+    def start(self, ids: Sequence[int], salt: str = "") -> Reading:
+        """Read the stored prefix of ``ids`` under cache salt ``salt`` (its tenant's chunks) in the background."""
         reading = Reading()
-        self._pool.submit(self._run, [int(t) for t in ids], reading)
+        self._pool.submit(self._run, [int(t) for t in ids], reading, salt)
         return reading
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
 
-    def _run(self, ids, reading: Reading) -> None:
+    def _run(self, ids, reading: Reading, salt: str = "") -> None:
         self._count("reads")
         try:
-            for info, data in self.fetcher.fetch(ids, uuid.uuid4().hex):  # fetches overlap; decodes take turns
+            for info, data in self.fetcher.fetch(ids, uuid.uuid4().hex, salt=salt):  # fetches overlap; decodes take turns
                 with self._decoding:
                     kv = self.restore.run(info, self.decode.run(info, data))
                 arrival = self.assembler.arrive(info, kv)

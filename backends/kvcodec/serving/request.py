@@ -8,7 +8,8 @@ for each malformed request:
 
 - an empty prompt; a negative token id; a token id at or above the model's vocabulary size;
 - ``max_tokens`` outside ``1..MAX_TOKENS_LIMIT``; prompt plus ``max_tokens`` past the model's context;
-- ``codecs`` naming an unknown rung, a bad quality, or a rung twice.
+- ``codecs`` naming an unknown rung, a bad quality, or a rung twice;
+- a ``cache_salt`` longer than ``format.keys.MAX_SALT_CHARS``.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 from ..engines import ModelCard
 from ..engines.sampling import GREEDY, Sampling
 from ..errors import BadRequest, ConfigError
+from ..format.keys import check_salt
 from ..format.ladder import parse_ladder
 
 MAX_TOKENS_LIMIT = 4096
@@ -31,13 +33,15 @@ class Reply:
     """How the ``llm`` step answers a request (TensorRT-LLM's ensemble's flags): ``stream`` one
     response per token with the text it adds (else one response with the whole answer),
     ``exclude_input`` (else a whole answer starts with the prompt: its text and ids),
-    ``num_input_tokens`` / ``num_output_tokens`` (send those counts), ``sampling``."""
+    ``num_input_tokens`` / ``num_output_tokens`` (send those counts), ``sampling``, ``cache_salt``
+    (whose request it is: the engine's prefix cache and write-back use that tenant's keys)."""
 
     stream: bool = True
     exclude_input: bool = True
     num_input_tokens: bool = False
     num_output_tokens: bool = False
     sampling: Sampling = GREEDY
+    cache_salt: str = ""  # the request's tenant (format.keys): the llm step's engine and write-back keep it apart
 
     def to_json(self) -> str:
         out = asdict(self)
@@ -62,6 +66,11 @@ class Request:
     codecs: Optional[List[str]] = None
     reply: Reply = field(default_factory=Reply)
 
+    @property
+    def salt(self) -> str:
+        """The request's cache salt ("" unsalted): only its tenant's chunks are read and written."""
+        return self.reply.cache_salt
+
     @staticmethod
     def parse_codecs(spec: Optional[str]) -> Optional[List[str]]:
         """A comma list of rung specs ('' or None: the server's ladder)."""
@@ -85,6 +94,10 @@ class Request:
             raise BadRequest(f"prompt ({ids.size} tokens) plus max_tokens ({self.max_tokens}) is longer than the "
                              f"model's context ({card.max_context})")
         self.reply.sampling.check()
+        try:
+            check_salt(self.reply.cache_salt)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         if self.codecs:
             try:
                 parse_ladder(self.codecs)

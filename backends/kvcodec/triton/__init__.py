@@ -173,6 +173,19 @@ def has_input(request, name: str) -> bool:
     return pb_utils.get_input_tensor_by_name(request, name) is not None
 
 
+def request_parameters(request) -> Dict[str, Any]:
+    """The request's parameters (KServe v2 ``parameters``: Triton's ``generate`` endpoints put
+    unknown JSON fields there), {} when there are none or they are unreadable."""
+    getter = getattr(request, "parameters", None)
+    if getter is None:
+        return {}
+    try:
+        raw = json.loads(getter() or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
 def text_tensor(name: str, text) -> "pb_utils.Tensor":
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     return pb_utils.Tensor(name, np.array([[data]], dtype=np.object_))

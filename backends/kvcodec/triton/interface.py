@@ -17,6 +17,10 @@ The names, types and defaults of TensorRT-LLM's Triton ensemble
   server's ``exclude_input_in_output`` setting for ``text_input`` (false unless set, as TensorRT-LLM's
   model parameter), true for ``input_ids``; ``return_num_input_tokens`` /
   ``return_num_output_tokens`` (BOOL): the answer carries those counts;
+- ``cache_salt`` (STRING): whose request it is, as vLLM's OpenAI ``cache_salt``: only chunks stored
+  under the same salt are reused and its answer is written back under it (``format.keys``; absent or
+  empty: unsalted, the shared keys); Triton's ``generate`` endpoints also take it as the request
+  parameter ``cache_salt`` (an input wins);
 - ours: ``reuse`` (BOOL, absent: true), ``codecs`` (STRING, rung specs).
 """
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 from ..engines.sampling import Sampling
 from ..errors import BadRequest
 from ..serving.request import Reply, Request
-from . import get_array, get_scalar, get_text, has_input
+from . import get_array, get_scalar, get_text, has_input, request_parameters
 
 FLOATS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 INTS = ("top_k", "end_id", "min_tokens")
@@ -55,10 +59,22 @@ def read_request(request, tokenize: Callable[[str], Sequence[int]], exclude_inpu
     sampling.update((name, tuple(_words(request, name))) for name in WORDS if has_input(request, name))
     reply = Reply(stream=_flag(request, "stream", by_ids), exclude_input=_flag(request, "exclude_input_in_output", by_ids or exclude_input),
                   num_input_tokens=_flag(request, "return_num_input_tokens", False),
-                  num_output_tokens=_flag(request, "return_num_output_tokens", False), sampling=Sampling(**sampling))
+                  num_output_tokens=_flag(request, "return_num_output_tokens", False), sampling=Sampling(**sampling),
+                  cache_salt=_salt(request))
     spec = get_text(request, "codecs").decode("utf-8", "replace") if has_input(request, "codecs") else None
     return Request(ids, int(get_scalar(request, "max_tokens", np.int32)), _flag(request, "reuse", True),
                    Request.parse_codecs(spec), reply)
+
+
+def _salt(request) -> str:
+    """The ``cache_salt`` input, else the request parameter of that name, else ""."""
+    text = _text(request, "cache_salt")
+    if text is None:
+        params = request_parameters(request)
+        text = params.get("cache_salt", "")
+        if not isinstance(text, str):
+            raise BadRequest("the cache_salt parameter must be a string")
+    return text
 
 
 def _flag(request, name: str, default: bool) -> bool:

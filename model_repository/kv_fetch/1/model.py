@@ -6,7 +6,9 @@ tokenized here, with the served model's own tokenizer, once; sampling the engine
 sampling, ...) goes on with every chunk as the ``params`` JSON (``serving.request.Reply``). The
 optional ``codecs`` input (a comma list of rung specs, e.g. ``raw`` or ``video:12``) restricts
 this request to those rungs, chosen statically; without it the server's ladder is used, chosen
-per chunk by the adaptive fetcher when the ``adaptive`` setting is on. The model is never loaded
+per chunk by the adaptive fetcher when the ``adaptive`` setting is on. The optional ``cache_salt``
+(or the request parameter of that name) names the request's tenant: only chunks stored under it are
+looked up, and it travels in ``params`` to the llm step (its engine's prefix cache, write-back). The model is never loaded
 here: its card (identity, vocabulary, context, codec profile, KV dtype) is all this step needs.
 
 The store's health is this step's to report (it owns the store's calls, ``kvcodec.serving.calls``):
@@ -74,7 +76,8 @@ class TritonPythonModel:
             max_t = tensor("max_tokens", np.array([req.max_tokens], np.int32))
             params = text_tensor("params", req.reply.to_json())
             try:
-                for info, data in self.fetcher.fetch(req.ids.tolist(), uuid.uuid4().hex, req.reuse, req.codecs):
+                for info, data in self.fetcher.fetch(req.ids.tolist(), uuid.uuid4().hex, req.reuse, req.codecs,
+                                                     req.salt):
                     chunk = np.frombuffer(data, dtype=np.uint8)
                     sender.send(pb_utils.InferenceResponse([ids_t, max_t, params, tensor("chunk", chunk),
                                                             text_tensor("chunk_info", info.to_json())]))

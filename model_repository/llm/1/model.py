@@ -100,7 +100,7 @@ class TritonPythonModel:
         """Generate one request's answer and send it as ``reply`` asks, token by token or whole (a
         worker thread; ``serving.answer``); always ends with FINAL."""
         final_sent = answered = False
-        events = generate(self.engine, ids, max_tokens, source, reply.sampling)
+        events = generate(self.engine, ids, max_tokens, source, reply.sampling, reply.cache_salt)
         try:
             reused = tensor("reused_tokens", np.array([getattr(source, "reused_tokens", 0)], np.int32))
             for piece in pieces(events, reply, ids, lambda: self.engine.tokenizer.decode(ids),
