@@ -23,6 +23,14 @@
 #                                     (else here); then tests/gpu/ensemble_ttft.py (the ensemble on
 #                                     tritonserver on the GPU, TTFT per rung at 1, 10, 40 Gbit/s):
 #                                     gpu_ttft.json, gpu_ttft.png, gpu_ttft.log; exit 1 if either failed
+#   bash tests/gpu/run.sh --trtllm [MODEL_DIR]
+#                                     inside NVIDIA's tritonserver -trtllm-python container on its GPU
+#                                     (TensorRT-LLM 1.2; the lent GPU machine has none, so this never
+#                                     ran): the connector's first checks, tests/gpu/trtllm_checks.py
+#                                     (bit-exact restore in single-process mode, concurrent distinct
+#                                     long prompts against cold runs, a failed load with the executor
+#                                     answering afterwards, per-process GPU memory with a full stage):
+#                                     trtllm_checks.json, trtllm_checks.log; --dry-run runs its plan
 #
 # GPU_CARRY / GPU_STAGE / GPU_TRITON name other carried folders; PYTHON another interpreter (there: python3).
 set -uo pipefail
@@ -32,6 +40,7 @@ STAGE=${GPU_STAGE:-.gpu-carry-nvcomp}
 TRITON=${GPU_TRITON:-.gpu-carry-triton}
 LIMIT_S=360  # the checks' budgets (gpu_checks.BUDGETS) add up to 325 s
 TTFT_LIMIT_S=200  # tests/gpu/ensemble_ttft.py's budget (BUDGET_S, 180 s) and the server's stop
+TRTLLM_LIMIT_S=1800  # tests/gpu/trtllm_checks.py: four checks, several LLM() starts each (not a lent machine)
 DRY_TTFT_LIMIT_S=300
 
 dry_run() {
@@ -46,6 +55,7 @@ dry_run() {
     rc=$?
     timeout "$DRY_TTFT_LIMIT_S" "$py" -m tests.gpu.ensemble_ttft --dry-run --runs 2 --carry "$CARRY" \
         --stage "$STAGE" --triton "$TRITON" --json "${OUT:-$CARRY}/gpu_ttft.dry-run.json" || rc=1
+    "$py" -m tests.gpu.trtllm_checks --dry-run --json "${OUT:-$CARRY}/trtllm_checks.dry-run.json" >/dev/null || rc=1
     "$py" -m tests.gpu.carry sizes --carry "$CARRY" --stage "$STAGE" --triton "$TRITON" || return 1
     echo "dry run: exit $rc after $((SECONDS - t0)) s"
     [ "$rc" -eq 0 ] || return "$rc"
@@ -117,6 +127,21 @@ ttft_run() {
     return "$rc"
 }
 
+trtllm_run() {
+    # Inside the NGC TensorRT-LLM container (its python3 has tensorrt_llm), the project installed there.
+    local py=${PYTHON:-python3} out=${OUT:-.} model=${1:-} rc
+    "$py" -c "import tensorrt_llm" 2>/dev/null || {
+        echo "run.sh --trtllm: no tensorrt_llm in $py: run it inside nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3"
+        return 2
+    }
+    [ -n "$model" ] || { echo "run.sh --trtllm MODEL_DIR: a Hugging Face folder (kvcodec repository --variant trtllm-llmapi makes one)"; return 2; }
+    export PYTHONPATH="$PWD/backends:$PWD" PYTHONUNBUFFERED=1 TLLM_WORKER_USE_SINGLE_PROCESS=1
+    timeout "$TRTLLM_LIMIT_S" "$py" -m tests.gpu.trtllm_checks --model "$model" --json "$out/trtllm_checks.json"
+    rc=$?
+    [ "$rc" -eq 124 ] && echo "trtllm checks: stopped after $TRTLLM_LIMIT_S s"
+    return "$rc"
+}
+
 if [ "${1:-}" = "--dry-run" ]; then
     dry_run
     exit $?
@@ -126,8 +151,12 @@ elif [ "${1:-}" = "--stage" ]; then
 elif [ "${1:-}" = "--stage-triton" ]; then
     stage_triton
     exit $?
+elif [ "${1:-}" = "--trtllm" ]; then
+    mkdir -p "${OUT:-.}"
+    trtllm_run "${2:-}" 2>&1 | tee "${OUT:-.}/trtllm_checks.log"
+    exit "${PIPESTATUS[0]}"
 elif [ $# -gt 0 ]; then
-    echo "usage: bash tests/gpu/run.sh [--dry-run | --stage | --stage-triton]" >&2
+    echo "usage: bash tests/gpu/run.sh [--dry-run | --stage | --stage-triton | --trtllm MODEL_DIR]" >&2
     exit 2
 fi
 mkdir -p "${OUT:-.}"

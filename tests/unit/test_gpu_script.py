@@ -271,3 +271,27 @@ def test_nvcomp_in_the_site_folder_imports_beside_a_regular_nvidia_package(tmp_p
     assert "imports with a pkgutil" in carry.nvidia_namespace(site)
     assert subprocess.run(probe, capture_output=True, text=True).stdout.split() == ["site", "system"]
     assert carry.nvidia_namespace(site) == "nvidia.nvcomp imports"  # a second run leaves it as it is
+
+
+def test_the_trtllm_checks_are_prepared_and_their_plan_runs_without_tensorrt_llm(tmp_path):
+    """``run.sh --trtllm`` (inside NVIDIA's TensorRT-LLM container; never run: no TensorRT-LLM here nor
+    on the lent GPU machine): the script parses, names the four first checks of issue 46, refuses to
+    start without TensorRT-LLM, and its dry run (also part of ``run.sh --dry-run``) builds each check's
+    LLM() arguments with the connector and the GPU memory share."""
+    from tests.gpu import trtllm_checks
+
+    text = RUN_SH.read_text()
+    assert subprocess.run(["bash", "-n", str(RUN_SH)], capture_output=True).returncode == 0
+    assert '"--trtllm" ]' in text and "tests.gpu.trtllm_checks --dry-run" in text
+    assert trtllm_checks.CHECKS == ("restore", "concurrent", "failed_load", "memory")
+    assert set(trtllm_checks.RUNNERS) == set(trtllm_checks.CHECKS)
+    env = dict(__import__("os").environ, PYTHON=sys.executable, OUT=str(tmp_path))
+    refused = subprocess.run(["bash", str(RUN_SH), "--trtllm", "model"], capture_output=True, text=True, env=env,
+                             timeout=60)
+    assert refused.returncode == 2 and "tensorrt_llm" in refused.stdout
+    report = tmp_path / "plan.json"
+    assert trtllm_checks.main(["--dry-run", "--json", str(report)]) == 0
+    plan = json.loads(report.read_text())["checks"]
+    assert set(plan) == set(trtllm_checks.CHECKS) and plan["concurrent"]["prefetch"] is True
+    assert all("kv_connector_config" in c["args"] and c["kv_fraction"] == 0.6 for c in plan.values())
+    assert trtllm_checks.main(["--only", "restore"]) == 2  # no TensorRT-LLM: says what it needs
