@@ -1,27 +1,40 @@
 #!/bin/sh
-# The containers' entrypoint: writes the model repository variant, then runs tritonserver on it.
+# The containers' entrypoint: writes the model repository variant, then runs `kvcodec serve` on it:
+# tritonserver (the container's own, KVCODEC_TRITON_ROOT=/opt/tritonserver) beside the watchdog that
+# restarts it when a python stub or the server dies, with Triton's administrative APIs restricted,
+# gRPC TLS when configured, and a health endpoint for the probes:
+#   :8003/ready  every model of the repository ready in Triton, no dead stub, no restart under way
+#                (no inference: the readiness and startup probes)
+#   :8003/live   the serving process answers and tritonserver runs or is being restarted (liveness)
 # Every KVCodec setting comes from the environment (KVCODEC_*: docs/deploy.md's settings table),
-# read by the python backend's models; the chunk key as KVCODEC_CHUNK_KEY (from a Secret).
+# read by `kvcodec serve` and the python backend's models; the chunk key as KVCODEC_CHUNK_KEY (from a Secret).
 #   KVCODEC_VARIANT     cpu | gpu | trtllm | trtllm-llmapi   (default: the image's)
 #   KVCODEC_GPUS        GPU ids for the gpu and trtllm variants (default 0)
 #   KVCODEC_REPOSITORY  where the repository is written (default $KVCODEC_HOME/repository, i.e.
 #                       /var/lib/kvcodec/repository: never under /models, where the model is mounted;
 #                       `kvcodec repository` refuses a folder it did not write and deletes nothing of it)
-# Triton's model control, shared memory, trace and logging APIs are restricted to callers that
-# send the header "kvcodec-admin: $KVCODEC_ADMIN_KEY" (over gRPC the metadata
-# "triton-grpc-protocol-kvcodec-admin"; a random value when not set).
-# Arguments after the image name are passed to tritonserver.
+#   KVCODEC_START_TIMEOUT_S  how long tritonserver may take to load every model (default 1800)
+#   KVCODEC_GRPC_TLS_CERT, KVCODEC_GRPC_TLS_KEY  gRPC over TLS (PEM files, e.g. from a Secret volume);
+#   KVCODEC_GRPC_TLS_CLIENT_CA                   with it, mutual TLS: only clients this CA signed
+# Triton's model control, shared memory, trace and logging APIs answer only callers that send the
+# header "kvcodec-admin: $KVCODEC_ADMIN_KEY" (over gRPC the metadata
+# "triton-grpc-protocol-kvcodec-admin"; a random value per start when not set).
+# Arguments after the image name are passed to tritonserver, after kvcodec serve's own flags.
 set -eu
 variant="${KVCODEC_VARIANT:-gpu}"
 repository="${KVCODEC_REPOSITORY:-${KVCODEC_HOME:-/var/lib/kvcodec}/repository}"
-admin="${KVCODEC_ADMIN_KEY:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
 if [ "$variant" = "cpu" ]; then
   kvcodec repository --variant cpu --out "$repository"
 else
   kvcodec repository --variant "$variant" --gpus "${KVCODEC_GPUS:-0}" --out "$repository"
 fi
-exec tritonserver --model-repository "$repository" \
-  --http-port 8000 --grpc-port 8001 --metrics-port 8002 --allow-metrics=true \
-  --http-restricted-api "model-repository,shared-memory,trace,logging:kvcodec-admin=$admin" \
-  --grpc-restricted-protocol "model-repository,shared-memory,trace,logging:kvcodec-admin=$admin" \
-  "$@"
+set -- -- "$@"
+if [ -n "${KVCODEC_GRPC_TLS_CLIENT_CA:-}" ]; then
+  set -- --grpc-tls-client-ca "$KVCODEC_GRPC_TLS_CLIENT_CA" "$@"
+fi
+if [ -n "${KVCODEC_GRPC_TLS_CERT:-}${KVCODEC_GRPC_TLS_KEY:-}" ]; then
+  set -- --grpc-tls-cert "${KVCODEC_GRPC_TLS_CERT:-}" --grpc-tls-key "${KVCODEC_GRPC_TLS_KEY:-}" "$@"
+fi
+exec kvcodec serve --host 0.0.0.0 --model-repository "$repository" \
+  --http-port 8000 --grpc-port 8001 --metrics-port 8002 --health-port 8003 \
+  --timeout "${KVCODEC_START_TIMEOUT_S:-1800}" "$@"

@@ -22,8 +22,15 @@ restricted to callers that send the header ``kvcodec-admin`` with the server's `
 ``kvcodec serve`` (``register``, ``cmd_serve``) runs the server in the foreground: it refuses ports
 already in use, makes the engine's files ready, warns in one line of rungs without a fitted codec
 profile and of a store that does not answer, starts the server (one line naming the models that
-failed to load if it does not start), serves beside a watchdog (``--watchdog``), and on SIGINT or
-SIGTERM stops the watchdog, then the server.
+failed to load if it does not start), serves beside a watchdog (``--watchdog``) and, with
+``--health-port``, a health endpoint (``kvcodec_tools.health``: ``/ready`` from every model's own
+readiness and the watchdog's state, ``/live``), and on SIGINT or SIGTERM stops the watchdog, then the
+server. Arguments after ``--`` go to tritonserver after its own (a later flag wins in Triton's parser).
+It is the containers' entrypoint (``deploy/docker/entrypoint.sh``).
+
+The binary: the ``nvidia-pytriton`` wheel's, or a full Triton install named by ``KVCODEC_TRITON_ROOT``
+(NVIDIA's containers: ``/opt/tritonserver``, whose ``backends/`` already holds the python backend
+with the stub built for the container's Python: it is used as it is).
 """
 from __future__ import annotations
 
@@ -38,11 +45,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from kvcodec.errors import Unsupported
 from kvcodec.settings import Settings
 from kvcodec_tools.cli import DEFAULT_REPOSITORY, _settings, _store_down, common
+from kvcodec_tools.health import Health, serve_health
 from kvcodec_tools.procs import Process
 
 MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
@@ -103,8 +111,12 @@ def _pytriton_root() -> Path:
 
 
 def prepare_backends(target: Path) -> Path:
-    """A backend folder holding the python backend and the stub for this interpreter."""
+    """A backend folder holding the python backend and the stub for this interpreter: a full Triton
+    install's own ``backends/`` (its python backend carries its stub), else ``target``, made from the
+    wheel's python backend and its stub for this Python."""
     root = _pytriton_root()
+    if (root / "backends" / "python" / STUB).is_file():
+        return root / "backends"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
@@ -177,8 +189,9 @@ class GrpcTls:
 
 class TritonServer:
     def __init__(self, repo: Path, settings: Settings, ports: Ports = Ports(), log_path: Optional[Path] = None,
-                 host: str = "127.0.0.1", tls: Optional[GrpcTls] = None) -> None:
+                 host: str = "127.0.0.1", tls: Optional[GrpcTls] = None, extra_args: Sequence[str] = ()) -> None:
         self.repo = Path(repo).resolve()
+        self.extra_args = list(extra_args)  # tritonserver's own flags, after ours (a later flag wins)
         self.tls = tls
         self.settings = settings
         self.ports = ports
@@ -216,12 +229,14 @@ class TritonServer:
             f"--http-restricted-api={RESTRICTED}:{ADMIN_HEADER}={self.admin_key}",
             f"--grpc-restricted-protocol={RESTRICTED}:{ADMIN_HEADER}={self.admin_key}",
             *(self.tls.args() if self.tls is not None else []),
+            *self.extra_args,
         ]
 
     def environment(self) -> dict:
         root = _pytriton_root()
         env = dict(os.environ)
-        libs = [str(root.parent.parent / "nvidia_pytriton.libs"), str(sysconfig.get_config_var("LIBDIR"))]
+        libs = [str(d) for d in (root.parent.parent / "nvidia_pytriton.libs", root / "lib") if d.is_dir()]
+        libs.append(str(sysconfig.get_config_var("LIBDIR")))
         if env.get("LD_LIBRARY_PATH"):
             libs.append(env["LD_LIBRARY_PATH"])
         env["LD_LIBRARY_PATH"] = ":".join(libs)
@@ -256,18 +271,31 @@ class TritonServer:
         """The server's python backend stubs, zombies included ([] when it is not running)."""
         return stubs_of(self.pid) if self.pid is not None else []
 
-    def ready(self) -> bool:
+    def models(self) -> List[str]:
+        """The repository's models (its folders with a ``config.pbtxt``): every step of the ensemble
+        and the ensemble, or the one model of the trtllm-llmapi variant."""
+        return sorted(p.parent.name for p in self.repo.glob("*/config.pbtxt")) or list(MODELS)
+
+    def _get(self, path: str, timeout_s: float = 2.0) -> bool:
+        """Whether ``GET path`` on the server's HTTP endpoint answers 200 (asked on loopback when it
+        binds every address)."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(self.host, self.host)
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                if r.status != 200:
-                    return False
-            for model in MODELS:
-                with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{model}/ready", timeout=2) as r:
-                    if r.status != 200:
-                        return False
-            return True
+            with urllib.request.urlopen(f"http://{host}:{self.ports.http}{path}", timeout=timeout_s) as r:
+                return r.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
+
+    def unready_models(self) -> List[str]:
+        """The models Triton does not call ready (``/v2/models/<name>/ready``), in the repository's order."""
+        return [model for model in self.models() if not self._get(f"/v2/models/{model}/ready")]
+
+    def live_endpoint(self) -> bool:
+        """Whether Triton answers its ``/v2/health/live`` (its HTTP front, not a model)."""
+        return self._get("/v2/health/live")
+
+    def ready(self) -> bool:
+        return self._get("/v2/health/ready") and not self.unready_models()
 
     def terminate(self) -> None:
         """Ask the server to stop (SIGTERM) without waiting: safe inside a signal handler."""
@@ -296,9 +324,10 @@ def cmd_serve(args) -> int:
     from kvcodec import engines
     from kvcodec_tools.ports import port_is_free
 
-    busy = [f"{port} (--{name}-port)" for name, port in (("http", args.http_port), ("grpc", args.grpc_port),
-                                                         ("metrics", args.metrics_port))
-            if not port_is_free(args.host, port)]
+    ports = [("http", args.http_port), ("grpc", args.grpc_port), ("metrics", args.metrics_port)]
+    if args.health_port is not None:
+        ports.append(("health", args.health_port))
+    busy = [f"{port} (--{name}-port)" for name, port in ports if not port_is_free(args.host, port)]
     if busy:
         print(f"kvcodec serve: port {', '.join(busy)} on {args.host} is in use (another kvcodec serve?): "
               "stop what holds it or pass other ports", file=sys.stderr)
@@ -318,16 +347,29 @@ def cmd_serve(args) -> int:
         tls = GrpcTls(Path(args.grpc_tls_cert), Path(args.grpc_tls_key),
                       Path(args.grpc_tls_client_ca) if args.grpc_tls_client_ca else None)
     server = TritonServer(Path(args.model_repository), settings,
-                          Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host, tls=tls)
+                          Ports(args.http_port, args.grpc_port, args.metrics_port), host=args.host, tls=tls,
+                          extra_args=args.tritonserver_args)
     stopping, watching = [], []  # watching: non-empty while a watchdog runs (it may be restarting the server)
+    health = Health(server)
+    endpoint = serve_health(health, args.host, args.health_port) if args.health_port is not None else None
 
     def on_signal(signum, _frame):
         stopping.append(signum)
+        health.stopping = True  # readiness fails at once: the balancer stops sending while we drain
         if not watching:
             server.terminate()  # the main thread's wait() returns, then stop() reaps everything
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return _serve(args, settings, server, health, stopping, watching)
+    finally:
+        if endpoint is not None:
+            endpoint.shutdown()
+            endpoint.server_close()
+
+
+def _serve(args, settings, server, health, stopping: list, watching: list) -> int:
     try:
         server.start(timeout_s=args.timeout)
     except (RuntimeError, TimeoutError) as exc:
@@ -340,8 +382,10 @@ def cmd_serve(args) -> int:
     # the watchdog takes the stubs it sees as the healthy set: before "ready", so that a stub that
     # dies right after it is a fault, not a server it never knew
     watchdog = _watchdog(server, watching, args.timeout) if args.watchdog else None
+    health.watchdog = watchdog
+    health_at = f", health {args.host}:{args.health_port}" if args.health_port is not None else ""
     print(f"kvcodec serve: ready (HTTP {server.http_url}, gRPC {server.grpc_url}, "
-          f"metrics {args.host}:{args.metrics_port}); store {settings.store}; log {server.log_path}"
+          f"metrics {args.host}:{args.metrics_port}{health_at}); store {settings.store}; log {server.log_path}"
           f"{'; watchdog on' if args.watchdog else ''}", flush=True)
     code = _serve_watched(server, watchdog, stopping) if watchdog is not None else server.wait()
     server.stop()
@@ -429,4 +473,9 @@ def register(sub) -> None:
     p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                    help="restart the server when a python stub or the server dies (default on; at most 5 "
                         "restarts in 300 s, then exit 1)")
+    p.add_argument("--health-port", type=int,
+                   help="serve GET /ready (every model ready in Triton, no dead stub, no restart under way; "
+                        "no inference) and GET /live on this port, on --host (the containers: 8003)")
+    p.add_argument("tritonserver_args", nargs="*", metavar="-- TRITONSERVER_ARG",
+                   help="after --: flags passed to tritonserver after kvcodec serve's own (a later flag wins)")
     p.set_defaults(func=cmd_serve)

@@ -21,6 +21,8 @@ again (``Restart``) and calls ``on_restart(restart)``. A restart whose start fai
 Contract: start the server first, then ``start()`` the watchdog (it takes the stubs it sees then as
 the healthy set); ``stop()`` it before stopping the server yourself, or it restarts what you stop.
 ``tick()`` is one check (and restart if needed) of the thread's loop, for callers that drive it.
+``problem()`` is what a readiness check reads, from any thread: "" while the server it watches is
+sound, else why not (a fault not acted on yet, a restart under way, the guard having given up).
 ``halt()`` sets an event, whose lock is not re-entrant: call it from the main thread's flow, not
 from a signal handler (there set a flag the main thread reads, as ``kvcodec serve`` does).
 """
@@ -71,6 +73,7 @@ class Watchdog:
         self._healthy: Dict[int, Stub] = {}  # pid -> Stub, as seen after the last start
         self._halt = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._restarting = ""  # the reason of the restart under way ("" when none)
 
     @property
     def restarts(self) -> int:
@@ -142,6 +145,22 @@ class Watchdog:
                 for pid, stub in self._healthy.items() if stub.instance not in served]
         return "; ".join(dead) or None
 
+    @property
+    def restarting(self) -> str:
+        """The reason of the restart under way, "" when none."""
+        return self._restarting
+
+    def problem(self) -> str:
+        """Why the watched server should take no traffic now, "" when it should: the guard gave up,
+        a restart is under way, or a fault the thread has not acted on yet (it checks every
+        ``interval_s``). A look at /proc and the server's state: cheap enough for every readiness check."""
+        if self.gave_up:
+            return f"the watchdog gave up after {self.max_restarts} restarts within {self.window_s:.0f} s"
+        restarting = self._restarting
+        if restarting:
+            return f"restarting tritonserver ({restarting})"
+        return self.fault() or ""
+
     def _storm(self) -> bool:
         """Whether ``max_restarts`` restarts already happened within the last ``window_s``."""
         now = self.clock()
@@ -150,6 +169,13 @@ class Watchdog:
         return len(self._recent) >= self.max_restarts
 
     def _restart(self, reason: str) -> bool:
+        self._restarting = reason
+        try:
+            return self._restart_server(reason)
+        finally:
+            self._restarting = ""
+
+    def _restart_server(self, reason: str) -> bool:
         self._recent.append(self.clock())
         t0 = time.monotonic()
         self.server.stop(self.grace_s)

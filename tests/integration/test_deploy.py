@@ -1,5 +1,6 @@
-"""What a deployment runs against a real server: the liveness probe (``kvcodec probe``: one token
-through the ensemble; a dead address fails it), and a real Prometheus that scrapes a real
+"""What a deployment runs against a real server: ``kvcodec probe`` (one token through the ensemble;
+a dead address fails it), ``kvcodec serve``'s health endpoint (the probes': a dead stub turns /ready
+503 until the watchdog's restart, /live stays 200), and a real Prometheus that scrapes a real
 tritonserver under requests, loads the alert rules (deploy/prometheus) and answers every metric a
 rule reads and every query of the dashboard (deploy/grafana) with series."""
 from __future__ import annotations
@@ -129,3 +130,70 @@ def test_the_admin_apis_refuse_callers_without_the_admin_header(server):
         assert client.is_server_ready() and client.get_model_metadata("kvcodec")
     finally:
         client.close()
+
+
+def _health(port: int, path: str) -> tuple:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode().strip()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode().strip()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def test_serves_health_follows_a_dead_stub_through_the_watchdogs_restart(settings, tmp_path):
+    """The probes' endpoint on a real ``kvcodec serve``: /ready 200 once every step is ready; a killed
+    kv_decode stub (Triton itself keeps saying ready) turns /ready 503 at once, and 200 again after
+    the watchdog's restart; /live stays 200 throughout (nothing for the kubelet to kill)."""
+    import os
+    import signal
+
+    from kvcodec_tools.tritonserver import children, stubs_of
+
+    http, grpc, metrics, health = free_ports(4)
+    proc = subprocess.Popen(
+        [KVCODEC, "serve", "--home", str(tmp_path), "--model-cache", str(settings.model_cache),
+         "--store", f"file://{tmp_path}/store", "--threads", "1", "--http-port", str(http),
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--health-port", str(health)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 300
+        while "ready" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "kvcodec serve: ready" in line and f"health 127.0.0.1:{health}" in line, line
+        assert _health(health, "/ready") == (200, "ready")
+        assert _health(health, "/live") == (200, "live")
+        (server,) = children(proc.pid)
+        (stub,) = [s for s in stubs_of(server) if s.model == "kv_decode"]
+        os.kill(stub.pid, signal.SIGKILL)
+        seen, lives = [], set()
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            status, body = _health(health, "/ready")
+            lives.add(_health(health, "/live")[0])
+            seen.append((status, body))
+            if status == 200 and len(seen) > 1:
+                break
+            time.sleep(0.2)
+        assert seen[0][0] == 503 and "kv_decode" in _health_reasons(seen), seen[:3]
+        assert seen[-1] == (200, "ready"), seen[-3:]
+        assert lives == {200}
+        assert children(proc.pid) != [server]  # restarted
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, rest
+    finally:
+        if proc.poll() is None:
+            for child in children(proc.pid):
+                try:
+                    os.killpg(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _health_reasons(seen: list) -> str:
+    return " ".join(body for status, body in seen if status == 503)

@@ -50,16 +50,15 @@ def test_dockerfiles_lint_clean_and_pin_the_tested_versions(dockerfile):
     for name, version in re.findall(r"\b([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([0-9][^\s\"']*)", text):
         if name.lower() in pins:
             assert version == pins[name.lower()], f"{dockerfile.name}: {name}=={version}, tested {pins[name.lower()]}"
+    assert "KVCODEC_TRITON_ROOT=/opt/tritonserver" in text  # kvcodec serve runs the container's tritonserver
+    assert re.search(r"^EXPOSE 8000 8001 8002 8003$", text, re.M)  # 8003: the probes' health port
     engine = re.search(r"KVCODEC_ENGINE=(\w+)", text)
     if dockerfile.name == "Dockerfile.vllm":
         assert engine and engine.group(1) == "vllm"  # the engine to serve traffic with
 
 
-def test_entrypoint_is_valid_sh_and_restricts_the_admin_apis():
-    script = DEPLOY / "docker" / "entrypoint.sh"
-    assert _run("sh", "-n", script).returncode == 0
-    text = script.read_text()
-    assert "--http-restricted-api" in text and "--grpc-restricted-protocol" in text
+def test_entrypoint_is_valid_sh():
+    assert _run("sh", "-n", DEPLOY / "docker" / "entrypoint.sh").returncode == 0
 
 
 def _entrypoint(tmp_path, **env) -> tuple:
@@ -123,6 +122,30 @@ def test_the_entrypoint_writes_the_repository_beside_the_model_never_over_it(tmp
     assert sorted(p.name for p in model.parent.iterdir()) == ["llm"]
 
 
+def test_the_entrypoint_serves_through_kvcodec_serve_with_its_watchdog_and_health_port(tmp_path):
+    """Not tritonserver bare: kvcodec serve (the watchdog, on by default; the admin APIs restricted,
+    TritonServer.command; gRPC TLS from the environment), on every address, with the health port
+    the probes read; the image's arguments reach tritonserver after --."""
+    model = _read_only_model(tmp_path)
+    home = tmp_path / "home"
+    tls = {"KVCODEC_GRPC_TLS_CERT": "/run/tls/tls.crt", "KVCODEC_GRPC_TLS_KEY": "/run/tls/tls.key",
+           "KVCODEC_GRPC_TLS_CLIENT_CA": "/run/tls/ca.crt"}
+    run, served = _entrypoint(tmp_path, KVCODEC_HOME=str(home), KVCODEC_MODEL=str(model), **tls)
+    assert run.returncode == 0, run.stderr
+    assert served[1] == "serve" and "--no-watchdog" not in served
+    args, tritonserver = served[2:served.index("--")], served[served.index("--") + 1:]
+    options = dict(zip(args[::2], args[1::2], strict=True))
+    assert options == {"--host": "0.0.0.0", "--model-repository": str(home / "repository"), "--http-port": "8000",
+                       "--grpc-port": "8001", "--metrics-port": "8002", "--health-port": "8003",
+                       "--timeout": "1800", "--grpc-tls-cert": "/run/tls/tls.crt",
+                       "--grpc-tls-key": "/run/tls/tls.key", "--grpc-tls-client-ca": "/run/tls/ca.crt"}
+    assert tritonserver == ["--log-verbose=1"]
+    from kvcodec_tools.cli import build_parser
+
+    parsed = build_parser().parse_args(served[1:])  # every flag is one kvcodec serve takes
+    assert (parsed.health_port, parsed.watchdog, parsed.tritonserver_args) == (8003, True, ["--log-verbose=1"])
+
+
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 
 
@@ -140,8 +163,13 @@ def test_kubernetes_manifests_fit_together():
     sources = {s.get("configMapRef", s.get("secretRef"))["name"] for s in server["envFrom"]}
     assert sources == {docs["ConfigMap"]["metadata"]["name"], docs["Secret"]["metadata"]["name"]}
     assert "KVCODEC_CHUNK_KEY" in docs["Secret"]["stringData"]
-    assert server["livenessProbe"]["exec"]["command"][:2] == ["kvcodec", "probe"]
-    assert server["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    health = next(p["containerPort"] for p in server["ports"] if p["name"] == "health")
+    assert health == 8003  # the entrypoint's --health-port
+    probes = {kind: server[f"{kind}Probe"] for kind in ("startup", "readiness", "liveness")}
+    for probe in probes.values():  # cheap: none is an inference (no exec of kvcodec probe)
+        assert "exec" not in probe and probe["httpGet"]["port"] == "health"
+    assert [probes[k]["httpGet"]["path"] for k in ("startup", "readiness", "liveness")] == ["/ready", "/ready", "/live"]
+    assert probes["startup"]["periodSeconds"] * probes["startup"]["failureThreshold"] >= 1800  # the start timeout
     ports = {p["name"] for p in server["ports"]}
     assert {p["targetPort"] for p in docs["Service"]["spec"]["ports"]} <= ports
     labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
