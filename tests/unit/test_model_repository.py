@@ -279,7 +279,8 @@ def test_the_trtllm_model_yaml_names_our_connector_with_block_reuse(trt_repo):
     cfg = _model_yaml(trt_repo)
     assert cfg["model"] == "/models/tiny" and cfg["backend"] == "pytorch"
     assert (cfg["tensor_parallel_size"], cfg["pipeline_parallel_size"]) == (1, 1)
-    assert cfg["kv_cache_config"] == {"enable_block_reuse": True, "tokens_per_block": 16}
+    assert cfg["kv_cache_config"] == {"enable_block_reuse": True, "tokens_per_block": 16,
+                                     "free_gpu_memory_fraction": 0.6}
     conn = cfg["kv_connector_config"]
     assert set(conn) == {"connector_module", "connector_scheduler_class", "connector_worker_class"}
     assert conn["connector_module"] == trtllm_connector.__name__

@@ -19,8 +19,9 @@ The names, types and defaults of TensorRT-LLM's Triton ensemble
   ``return_num_output_tokens`` (BOOL): the answer carries those counts;
 - ``cache_salt`` (STRING): whose request it is, as vLLM's OpenAI ``cache_salt``: only chunks stored
   under the same salt are reused and its answer is written back under it (``format.keys``; absent or
-  empty: unsalted, the shared keys); Triton's ``generate`` endpoints also take it as the request
-  parameter ``cache_salt`` (an input wins);
+  empty: unsalted, the shared keys); Triton's ``generate`` endpoints take it as a JSON field of that
+  name; a KServe request parameter ``cache_salt`` is read when the input is absent (an input wins;
+  whether Triton's ensemble hands request parameters to its first step is not tested here);
 - ours: ``reuse`` (BOOL, absent: true), ``codecs`` (STRING, rung specs).
 """
 from __future__ import annotations
