@@ -856,3 +856,38 @@ def test_config_from_the_file_trtllm_names(tmp_path):
             load_config({CONFIG_ENV: str(path)})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config({CONFIG_ENV: str(tmp_path / "absent.json")})
+
+
+# -- tenants (issue 42) ---------------------------------------------------------------------------------------
+def test_a_salted_request_reads_and_writes_its_tenants_chunks_only(store, replays, tmp_path):
+    """The llmapi model (prefetch): a request TensorRT-LLM salted (1.2: ``cache_salt_id`` only) never
+    stages the unsalted chunks of its prompt, and its write-back stores under its salt: under the
+    tenant's own salt where the ensemble's engine posted it (``Shared.salts``: the salt kv_fetch reads
+    with), else under the stage salt. Models ``LlmRequest.cache_salt_id`` (PR #7106)."""
+    ingest(store, "int8-zstd", n_chunks=3)  # unsalted chunks of DOC: shared, not the tenant's
+    cfg = config(store, writeback=("int8-zstd",), tmp=tmp_path)
+    replay = replays(cfg, store, 32)
+    salted = FakeLlmRequest(1, DOC[:900], cache_salt_id=77)
+    assert replay.add(salted) == 0
+    wait_prefetch(replay.scheduler)
+    assert replay.add(FakeLlmRequest(2, DOC[:900], cache_salt_id=77)) == 0  # still nothing staged for it
+    unsalted = FakeLlmRequest(3, DOC[:900])
+    assert replay.add(unsalted) == 0
+    wait_prefetch(replay.scheduler)
+    assert replay.add(FakeLlmRequest(4, DOC[:900])) == 256 * 3  # the unsalted prompt does read them
+    for _ in range(3):
+        replay.step()
+    assert replay.worker.sink.flush(timeout_s=30)
+    rung = parse_ladder(["int8-zstd"], CARD)[0].identity
+    stage_keys = chunk_keys(DOC[:900], CARD.model_id, rung, CHUNK, salt="cache_salt_id=77")
+    assert all(store.exists(k) for k in stage_keys)  # written back under the stage salt (no engine here)
+    # the ensemble's engine posts the tenant's salt for the stage salt TensorRT-LLM will carry
+    replay.shared.salts.post("cache_salt_id=78", "tenant-b")
+    replay.add(FakeLlmRequest(5, DOC[:900], cache_salt_id=78))
+    for _ in range(3):
+        replay.step()
+    assert replay.worker.sink.flush(timeout_s=30)
+    tenant_keys = chunk_keys(DOC[:900], CARD.model_id, rung, CHUNK, salt="tenant-b")
+    assert all(store.exists(k) for k in tenant_keys)
+    assert not any(store.exists(k) for k in chunk_keys(DOC[:900], CARD.model_id, rung, CHUNK,
+                                                       salt="cache_salt_id=78"))

@@ -54,16 +54,18 @@ class FakeLLM:
         self.next_id, self.blocks = 0, {}
         FakeLLM.instances.append(self)
 
-    def generate_async(self, ids, sampling_params, streaming):
+    def generate_async(self, ids, sampling_params, streaming, cache_salt=None):
         """As 1.2's ``LLM.generate_async``: the request is submitted at once and the result carries the
         client id (``GenerationResult.request_id``), which the executor's ``LlmRequest`` holds as
-        ``py_client_id``; its own ``request_id`` is the executor's (here offset, as they differ there)."""
+        ``py_client_id``; its own ``request_id`` is the executor's (here offset, as they differ there).
+        ``cache_salt``: the ``LlmRequest`` carries its id only (``cache_salt_id``, 1.2's binding)."""
         self.next_id += 1
-        return FakeResult(self, 500 + self.next_id, self.next_id, ids, sampling_params)
+        salt_id = None if cache_salt is None else fake_salt_id(cache_salt)
+        return FakeResult(self, 500 + self.next_id, self.next_id, ids, sampling_params, salt_id)
 
-    def _run(self, client, rid, ids, sampling_params):
+    def _run(self, client, rid, ids, sampling_params, salt_id=None):
         request = SimpleNamespace(request_id=rid, py_client_id=client, prompt_len=len(ids),
-                                  get_tokens=lambda beam: list(ids))
+                                  get_tokens=lambda beam: list(ids), cache_salt_id=salt_id)
         n, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         blocks = list(range(-(-len(ids) // BS)))
         self.blocks[rid] = (blocks, n)
@@ -85,12 +87,19 @@ class FakeLLM:
 
 
 class FakeResult:
-    def __init__(self, llm, client, rid, ids, sampling_params) -> None:
+    def __init__(self, llm, client, rid, ids, sampling_params, salt_id=None) -> None:
         self.request_id = client
-        self._outputs = llm._run(client, rid, ids, sampling_params)
+        self._outputs = llm._run(client, rid, ids, sampling_params, salt_id)
 
     def __iter__(self):
         return self._outputs
+
+
+def fake_salt_id(salt: str) -> int:
+    """``tensorrt_llm.inputs.utils.get_cache_salt_id`` (1.2: 8 bytes of a hash of the salt, little-endian)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
 
 
 # tensorrt_llm/sampling_params.py (1.2's LLM API): the SamplingParams fields the engine may set
@@ -118,8 +127,12 @@ def fake_trtllm(monkeypatch):
     root.SamplingParams = sampling_params
     root.__path__ = []
     llmapi.__path__ = []
+    inputs, utils = types.ModuleType("tensorrt_llm.inputs"), types.ModuleType("tensorrt_llm.inputs.utils")
+    inputs.__path__ = []
+    utils.get_cache_salt_id = fake_salt_id
     for name, module in {"tensorrt_llm": root, "tensorrt_llm.llmapi": llmapi,
-                         "tensorrt_llm.llmapi.llm_args": llm_args}.items():
+                         "tensorrt_llm.llmapi.llm_args": llm_args, "tensorrt_llm.inputs": inputs,
+                         "tensorrt_llm.inputs.utils": utils}.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
     monkeypatch.setenv("TRTLLM_KVCODEC_CHUNK_KEY", bytes(range(32)).hex())
@@ -250,3 +263,22 @@ def test_the_kv_pool_takes_the_share_of_free_gpu_memory_the_setting_gives(engine
     with pytest.raises(ValueError, match="free_gpu_memory_fraction"):
         llm_arguments("m", 32, 1.0)
 
+
+
+def test_a_salted_request_is_staged_under_the_salt_tensorrt_llm_carries(engine):
+    """The ensemble's engine passes the request's cache salt to ``generate_async`` (TensorRT-LLM's own
+    block reuse keeps tenants apart) and stages its restored KV under the salt id the connector reads
+    off TensorRT-LLM's request, so it is promised; its write-back is told the tenant's own salt."""
+    from kvcodec.engines.trtllm_shared import SHARED
+
+    llm = FakeLLM.instances[-1]
+    ids = list(range(2000, 2200))
+    kv = (np.random.default_rng(1).integers(-512, 512, (L, 2, H, 192, D)) / 16).astype(np.float16)
+    report = StreamReport()
+    assert list(engine.stream(ids, 2, past_kv=kv, report=report, salt="tenant-a")) == [100, 101]
+    assert report.reused_tokens == 192 and llm.blocks[max(llm.blocks)][1] == 192
+    stage = f"cache_salt_id={fake_salt_id('tenant-a')}"
+    assert SHARED.salts.store_salt(stage) == "tenant-a"
+    report = StreamReport()
+    list(engine.stream(ids, 2, report=report))  # unsalted: nothing of tenant a's was left for it
+    assert report.reused_tokens == 0

@@ -124,16 +124,29 @@ def client_id(request: Any) -> Optional[int]:
 
 def cache_salt(request: Any) -> str:
     """The request's cache salt as part of the stage key: 1.2's ``LlmRequest`` binds ``cache_salt_id``
-    (an integer, from ``LLM.generate(cache_salt=...)``; PR #7106), later releases also carry
-    ``cache_salt``; salted prompts never share staged KV with other salts or with unsalted ones."""
+    (an integer, from ``LLM.generate(cache_salt=...)``; PR #7106), later releases may also carry
+    ``cache_salt``; the id is preferred where both are (the ensemble's engine computes the same id
+    with TensorRT-LLM's own function: ``stage_salt``); salted prompts never share staged KV with
+    other salts or with unsalted ones."""
     for holder in (request, getattr(request, "py_request", None)):
         if holder is None:
             continue
-        for name in ("cache_salt", "cache_salt_id"):
+        for name in ("cache_salt_id", "cache_salt"):
             salt = getattr(holder, name, None)
             if salt is not None:
                 return f"{name}={salt}"
     return ""
+
+
+def stage_salt(salt: str) -> str:
+    """What ``cache_salt`` says of a request that ``LLM.generate_async(cache_salt=salt)`` made: its
+    ``cache_salt_id`` as TensorRT-LLM computes it (``tensorrt_llm.inputs.utils.get_cache_salt_id``);
+    "" for no salt."""
+    if not salt:
+        return ""
+    from tensorrt_llm.inputs.utils import get_cache_salt_id
+
+    return f"cache_salt_id={get_cache_salt_id(salt)}"
 
 
 def is_dummy(request: Any) -> bool:

@@ -57,7 +57,7 @@ from . import ModelCard
 CONFIG_ENV = "TRTLLM_KVCODEC_CONFIG"
 CHUNK_KEY_ENV = "TRTLLM_KVCODEC_CHUNK_KEY"
 _SETTINGS_KEYS = ("store", "ladder", "chunk_tokens", "writeback", "key_file", "home", "decoder", "threads",
-                  "fetch_timeout_s")
+                  "fetch_timeout_s", "encrypt_chunks")
 _KEYS = _SETTINGS_KEYS + ("max_pending", "prefetch", "stage_bytes", "model")
 
 
@@ -75,13 +75,14 @@ class TrtllmConfig:
     max_pending: int = 8
     prefetch: bool = True
     stage_bytes: int = 1 << 30
+    encrypt_chunks: bool = False  # chunks written back are encrypted per tenant (format.auth)
 
     def auth(self, env: Optional[Mapping[str, str]] = None) -> ChunkAuth:
         env = os.environ if env is None else env
         hex_key = env.get(CHUNK_KEY_ENV) or env.get("KVCODEC_CHUNK_KEY") or ""
         previous = env.get(CHUNK_KEY_ENV + "_PREVIOUS") or env.get("KVCODEC_CHUNK_KEY_PREVIOUS") or ""
         keys = {"KVCODEC_CHUNK_KEY": hex_key, "KVCODEC_CHUNK_KEY_PREVIOUS": previous}
-        return load_auth(self.key_file, {k: v for k, v in keys.items() if v})
+        return load_auth(self.key_file, {k: v for k, v in keys.items() if v}, encrypt=self.encrypt_chunks)
 
 
 def _card(value: Any) -> ModelCard:
@@ -140,7 +141,8 @@ def from_settings(settings: Settings, card: ModelCard) -> TrtllmConfig:
     return TrtllmConfig(card=card, store=settings.store, ladder=tuple(settings.ladder),
                         chunk_tokens=settings.chunk_tokens, writeback=tuple(settings.writeback),
                         key_file=settings.key_file, decoder=settings.decoder, threads=max(1, settings.threads),
-                        fetch_timeout_s=settings.fetch_timeout_s, max_pending=settings.writeback_pending)
+                        fetch_timeout_s=settings.fetch_timeout_s, max_pending=settings.writeback_pending,
+                        encrypt_chunks=settings.encrypt_chunks)
 
 
 def load_config(env: Optional[Mapping[str, str]] = None) -> TrtllmConfig:

@@ -86,7 +86,7 @@ def connector_settings(settings, card: ModelCard, prefetch: bool) -> Dict[str, A
             "writeback": list(settings.writeback) or "off", "key_file": str(settings.key_file),
             "decoder": settings.decoder, "threads": max(1, settings.threads),
             "fetch_timeout_s": settings.fetch_timeout_s, "prefetch": prefetch, "model": asdict(card),
-            "max_pending": settings.writeback_pending}
+            "max_pending": settings.writeback_pending, "encrypt_chunks": settings.encrypt_chunks}
 
 
 class TrtllmEngine(model_files.EngineFiles):
@@ -128,15 +128,23 @@ class TrtllmEngine(model_files.EngineFiles):
 
     # -- the contract (geometry, tokenize, detokenizer: model_files.EngineFiles) ------------------
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
-               report: Optional[StreamReport] = None, load=None, sampling: Sampling = GREEDY) -> Iterator[int]:
+               report: Optional[StreamReport] = None, load=None, sampling: Sampling = GREEDY,
+               salt: str = "") -> Iterator[int]:
         from tensorrt_llm import SamplingParams
+
+        from .trtllm_compat import stage_salt
+        from .trtllm_shared import SHARED
 
         if len(ids) == 0:
             raise BadRequest("prompt is empty")
-        staged = stage_restored(list(ids), load, past_kv, self.chunk_tokens, self.settings.fetch_timeout_s)
+        staged_as = stage_salt(salt)  # what the connector will read off TensorRT-LLM's request
+        SHARED.salts.post(staged_as, salt)  # its write-back stores under the tenant's own salt
+        staged = stage_restored(list(ids), load, past_kv, self.chunk_tokens, self.settings.fetch_timeout_s,
+                                salt=staged_as)
         params = SamplingParams(max_tokens=int(max_tokens), **trtllm_sampling(sampling))
         first = True
-        result = self._llm.generate_async(list(ids), sampling_params=params, streaming=True)
+        tenant = {"cache_salt": salt} if salt else {}  # TensorRT-LLM's own block reuse keeps tenants apart
+        result = self._llm.generate_async(list(ids), sampling_params=params, streaming=True, **tenant)
         client = getattr(result, "request_id", None)  # the LlmRequest's py_client_id (trtllm_compat.client_id)
         for output in result:
             if first and report is not None:
@@ -161,10 +169,12 @@ class TrtllmEngine(model_files.EngineFiles):
         self._llm.shutdown()
 
 
-def stage_restored(ids: List[int], load, past_kv, chunk_tokens: int, timeout_s: float, shared=None) -> int:
+def stage_restored(ids: List[int], load, past_kv, chunk_tokens: int, timeout_s: float, shared=None,
+                   salt: str = "") -> int:
     """Put what the request brings into the connector's stage (its settled, verified prefix) in the
     pool's dtype and on its device (``trtllm_shared.to_pool``): numpy from the host or torch on any
-    device, as the ``kv_restore`` step left it; the tokens staged (0 when the stage refused it)."""
+    device, as the ``kv_restore`` step left it; the tokens staged (0 when the stage refused it).
+    ``salt``: the stage salt of the request (``trtllm_compat.stage_salt``)."""
     from .trtllm_shared import SHARED, to_pool
 
     shared = SHARED if shared is None else shared
@@ -180,7 +190,7 @@ def stage_restored(ids: List[int], load, past_kv, chunk_tokens: int, timeout_s: 
     if n <= 0:
         return 0
     kv = to_pool(past_kv[:, :, :, :n], shared.pages)
-    return n if shared.stage.put(ids, kv, "", chunk_tokens) else 0
+    return n if shared.stage.put(ids, kv, salt, chunk_tokens) else 0
 
 
 def promised_tokens(ids: Sequence[int], shared=None, client: Optional[int] = None) -> int:

@@ -42,14 +42,14 @@ class Prefetcher:
         self.reader = ChunkReader(cfg.card, store, cfg.auth(), decoder=cfg.decoder, threads=cfg.threads,
                                   chunk_tokens=cfg.chunk_tokens)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
-        self._inflight: Set[Tuple[int, ...]] = set()
+        self._inflight: Set[Tuple[str, Tuple[int, ...]]] = set()
         self.counters = {"prefetches": 0, "staged_tokens": 0, "failed": 0}
 
     def request(self, ids: Sequence[int], salt: str) -> None:
         prefix = tuple(ids[:reusable_chunks(len(ids), self.cfg.chunk_tokens) * self.cfg.chunk_tokens])
-        if not prefix or prefix in self._inflight:
+        if not prefix or (salt, prefix) in self._inflight:  # one read per prefix and tenant
             return
-        self._inflight.add(prefix)
+        self._inflight.add((salt, prefix))
         self._pool.submit(self._read, prefix, list(ids), salt)
 
     @property
@@ -61,7 +61,8 @@ class Prefetcher:
 
         try:
             deadline = time.monotonic() + self.cfg.fetch_timeout_s
-            plan = self.fetcher.plan(ids, deadline=deadline)
+            # the tenant's chunks only: the store salt of the request's stage salt (trtllm_shared.Salts)
+            plan = self.fetcher.plan(ids, deadline=deadline, salt=self.shared.salts.store_salt(salt))
             if not plan:
                 return
             refs = [ref_of(plan, i) for i in range(plan.n_chunks)]
@@ -79,7 +80,7 @@ class Prefetcher:
             self.counters["failed"] += 1
             log.warning("prefetch failed: %s", exc)
         finally:
-            self._inflight.discard(prefix)
+            self._inflight.discard((salt, prefix))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

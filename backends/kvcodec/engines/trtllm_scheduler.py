@@ -105,7 +105,7 @@ class KVCodecScheduler(_SchedulerBase):
         session, stored, entry = None, 0, None
         if staged is not None and fits(staged.kv, self.cfg.card, self.shared.pages):
             session, stored, entry = LoadSession.of(staged.kv, chunk), staged.tokens, staged.entry
-        save = {"ids": ids} if self.cfg.writeback else None
+        save = {"ids": ids, "salt": salt} if self.cfg.writeback else None
         n = self.core.match(rid, len(ids), stored, int(num_computed_tokens), session, asynchronous=False,
                             save=save, entry=entry)
         self.counters["requests"] += 1

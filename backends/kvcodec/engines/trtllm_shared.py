@@ -12,7 +12,10 @@ and ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` both live in the process that runs the 
 - ``promised``: tokens promised per request (``Promised``: by the LLM API's client id, else by prompt),
   taken by the engine to report ``reused_tokens``; bounded (the oldest go first, counted), since
   a request that fails before its first output is never taken;
-- ``corrupt``: store keys a read found corrupt; the write-back sink replaces them.
+- ``corrupt``: store keys a read found corrupt; the write-back sink replaces them;
+- ``salts``: the ensemble engine's cache salts by the stage salt TensorRT-LLM's request carries
+  (``Salts``): the write-back of a salted request stores under the tenant's own salt, the one
+  kv_fetch reads with; without the engine (the llmapi model) the stage salt is the store salt.
 
 ``to_pool(kv, pages)``: staged KV in the pool's dtype and on its device (from the host through pinned
 memory on a side stream of the calling thread, which waits for it: never the executor's stream).
@@ -77,12 +80,39 @@ class Promised:
             return len(self._items)
 
 
+class Salts:
+    """Cache salts by stage salt (``trtllm_compat.stage_salt``), bounded (the oldest go first).
+
+    ``post(stage, salt)`` records that requests carrying ``stage`` were sent with ``salt``;
+    ``store_salt(stage)`` is the salt their chunks are stored and read under: that ``salt`` if
+    posted, else ``stage`` itself ("" stays ""). Thread-safe."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._items: "OrderedDict[str, str]" = OrderedDict()
+
+    def post(self, stage: str, salt: str) -> None:
+        if not stage:
+            return
+        with self._lock:
+            self._items.pop(stage, None)
+            self._items[stage] = salt
+            while len(self._items) > self.max_entries:
+                self._items.popitem(last=False)
+
+    def store_salt(self, stage: str) -> str:
+        with self._lock:
+            return self._items.get(stage, stage)
+
+
 @dataclass
 class Shared:
     stage: Stage = field(default_factory=Stage)
     loads: HandOff = field(default_factory=HandOff)
     promised: Promised = field(default_factory=Promised)
     corrupt: KeySet = field(default_factory=KeySet)
+    salts: Salts = field(default_factory=Salts)
     pages: Optional[KVPages] = None
 
 

@@ -157,7 +157,8 @@ class KVCodecWorker(_WorkerBase):
         self._raise_failed()  # a forward whose layers ran no hook (1.2 calls this inside _forward_step's try)
         saves = getattr(self.get_connector_meta(), "saves", ())
         if saves and self.sink is not None:
-            self.core.save(saves, lambda job: self.sink.for_prompt(job.extra["ids"]), stream)
+            self.core.save(saves, lambda job: self.sink.for_prompt(
+                job.extra["ids"], self.shared.salts.store_salt(job.extra.get("salt", ""))), stream)
 
     def get_finished(self, finished_gen_req_ids: Sequence[int],
                      started_loading_req_ids: Sequence[int]) -> Tuple[List[int], List[int]]:
