@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
@@ -151,3 +152,35 @@ def test_a_local_tier_serves_a_restarted_server_with_the_remote_copies_gone(home
         assert m.get("kvcodec_reused_tokens_total", 0) >= 512 and 'tier="local"' in text, (m, second.log_tail())
         assert 'tier="remote"' not in text
     print(json.dumps({"cold_s": cold["elapsed_s"], "local_tier_s": warm["elapsed_s"]}))
+
+
+def test_a_tenant_never_reuses_another_tenants_prefix_in_vllm_serve(home, env, model, tokenizer):
+    """vLLM's ``cache_salt`` (issue 42): tenant a's document, written back encrypted by a first server,
+    is read from the store by a new server for tenant a only. Tenant b sending the same document
+    reuses nothing (0 cached tokens: neither vLLM's cache nor the store), gets prefill's text, and its
+    TTFT is not a hit's; so its latency tells it nothing of what tenant a sent."""
+    store = home / "tenants-store"
+    tenant_env = {**env, "KVCODEC_STORE": f"file://{store}", "KVCODEC_ENCRYPT_CHUNKS": "1"}
+    document = text_of(tokenizer, "textwrap.py", 1050) + QUESTION
+    [port] = free_ports(1)
+    with VllmServe(model, home, tenant_env, port) as first:
+        cold = first.streamed(document, 8, cache_salt="tenant-a")
+        deadline = time.monotonic() + 60
+        while len(list(store.glob("**/*.kvc"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        stored = sorted(store.glob("**/*.kvc"))
+        assert len(stored) == 4, first.log_tail()
+        ids = np.asarray(tokenizer.encode(document)[:64], "<i4").tobytes()
+        assert not any(ids in p.read_bytes() for p in stored)  # encrypted: not even the token ids show
+    [port] = free_ports(1)
+    with VllmServe(model, home, tenant_env, port) as second:  # a new process: only the store holds it
+        second.streamed("Hello there.", 2)  # the first request of a server pays for its warm-up
+        stranger = second.streamed(document, 8, cache_salt="tenant-b")
+        unsalted = second.streamed(document, 8)
+        own = second.streamed(document, 8, cache_salt="tenant-a")
+        assert stranger["cached_tokens"] in (0, None) and unsalted["cached_tokens"] in (0, None), second.log_tail()
+        assert own["cached_tokens"] >= 1024, (own, second.log_tail())
+        assert stranger["text"] == unsalted["text"] == own["text"] == cold["text"]
+        assert stranger["ttft_s"] > 1.5 * own["ttft_s"], (stranger["ttft_s"], own["ttft_s"])
+    print(json.dumps({"cold_ttft_s": cold["ttft_s"], "stranger_ttft_s": stranger["ttft_s"],
+                      "own_ttft_s": own["ttft_s"]}))

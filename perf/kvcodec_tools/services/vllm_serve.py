@@ -90,11 +90,12 @@ class VllmServe:
         out["elapsed_s"] = time.perf_counter() - t0
         return out
 
-    def streamed(self, prompt: str, max_tokens: int) -> dict:
+    def streamed(self, prompt: str, max_tokens: int, **extra) -> dict:
         """``/v1/completions`` streamed, greedy: ``ttft_s`` (the first text's arrival), ``text``, and
-        ``cached_tokens`` (``usage.prompt_tokens_details``, where the server reports it)."""
+        ``cached_tokens`` (``usage.prompt_tokens_details``, where the server reports it); ``extra``:
+        more fields of the request (``cache_salt``, ...)."""
         body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, **extra}
         request = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
