@@ -182,3 +182,22 @@ def test_the_store_holds_no_token_ids_nor_kv_bytes_in_the_clear(saved, context):
         header = json.loads(blob[container._PREFIX.size:container._PREFIX.size + n])
         assert header["cipher"] == "aes-256-gcm" and "planes_digest" not in header
         assert header["tenant"] == tenant_id("tenant-a")
+
+
+def test_the_tenants_bench_times_decryption_on_real_chunks(context):  # noqa: F811
+    """``kvcodec bench tenants``' in-process part: the decrypt rate on encrypted chunks, and the
+    parse of a chunk encrypted against the same chunk in the clear (which must cost more)."""
+    from kvcodec_tools.tenants_bench import decrypt_speed
+
+    ids, kv = context
+    auth = ChunkAuth(MASTER, encrypt=True)
+    store = MemoryStore("tenants-bench")
+    saver = ChunkSaver(store, MODEL, parse_ladder(["raw"]), CHUNK, auth=auth)
+    for i in range(2):
+        saver.save(saver.keys(ids, i, "t"), i, i * CHUNK, kv[:, :, :, i * CHUNK:(i + 1) * CHUNK], tenant=tenant_id("t"))
+    chunks = [store.get(e.key) for e in store.scan()]
+    speed = decrypt_speed(chunks, auth, reps=3)
+    assert speed["chunks"] == 2 and speed["decrypt_mb_s"] > 10
+    assert speed["parse_ms_encrypted"] > speed["parse_ms_clear"] > 0
+    with pytest.raises(ForeignChunk):
+        decrypt_speed(chunks, ChunkAuth(OTHER), reps=1)  # only a holder of the key can time it
