@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -49,7 +50,20 @@ def test_put_creates_and_overwrite_replaces(store):
     assert store.get(KEY) == b"new"
 
 
+class SlowCheck(dict):
+    """The memory store's contents with a pause after each presence check: every racing writer is
+    between its check and its write at once, so a create that is not under one lock is caught
+    (without the pause, the GIL all but closes that window and the test could not fail)."""
+
+    def __contains__(self, key):
+        found = dict.__contains__(self, key)
+        time.sleep(0.01)
+        return found
+
+
 def test_writers_racing_for_one_key_leave_exactly_one_winner(store):
+    if isinstance(store, MemoryStore):
+        store._data = SlowCheck(store._data)
     values = [bytes([65 + i]) * (64 << 10) for i in range(8)]
     gate = threading.Barrier(len(values))
     won = [None] * len(values)
