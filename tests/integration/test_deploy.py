@@ -98,7 +98,7 @@ def test_prometheus_scrapes_every_metric_a_rule_or_panel_reads(server, settings,
     with urllib.request.urlopen(f"http://127.0.0.1:{prometheus}/api/v1/rules", timeout=10) as r:
         groups = json.loads(r.read())["data"]["groups"]
     rules = [rule for g in groups for rule in g["rules"]]
-    assert len(rules) == 7 and all(rule["health"] == "ok" for rule in rules), rules
+    assert len(rules) == 8 and all(rule["health"] == "ok" for rule in rules), rules
     assert not [rule["name"] for rule in rules if rule["state"] != "inactive"]  # a healthy server alerts nothing
 
 
