@@ -4,7 +4,9 @@
     kvcodec store usage --store URL [--json]
     kvcodec store gc    --store URL --max-bytes N [--older-than D] [--dry-run] [--json]
 
-``N`` takes a suffix (``500M``, ``20G``, ``1T``: powers of 1024); ``D`` is seconds or ``30m``,
+``--older-than`` means "not used for": it is refused on a store that reports only when a chunk was
+written (an HTTP/WebDAV store, S3 with ``touch_s=0``); on S3 use is the mark reads leave
+(``kvcodec.store.s3``). ``N`` takes a suffix (``500M``, ``20G``, ``1T``: powers of 1024); ``D`` is seconds or ``30m``,
 ``12h``, ``7d``. With ``--json`` the last line printed is one JSON object (``bytes`` and
 ``chunks`` of the whole store, and the rest of the report). Credentials come as for serving
 (``KVCODEC_STORE_TOKEN``, the ``AWS_*`` variables, ``KVCODEC_STORE_CA_FILE``).
@@ -61,6 +63,7 @@ def cmd_store_usage(args) -> int:
 
 
 def cmd_store_gc(args) -> int:
+    from kvcodec.errors import ConfigError
     from kvcodec.store import open_store
     from kvcodec.store.capacity import gc
 
@@ -70,7 +73,10 @@ def cmd_store_gc(args) -> int:
     except ValueError as exc:
         raise SystemExit(f"kvcodec store gc: {exc}") from None
     with open_store(args.store) as store:
-        report = gc(store, max_bytes, older, dry_run=args.dry_run)
+        try:
+            report = gc(store, max_bytes, older, dry_run=args.dry_run)
+        except ConfigError as exc:
+            raise SystemExit(f"kvcodec store gc: {exc}") from None
     verb = "would delete" if args.dry_run else "deleted"
     d = report["deleted"]
     print(f"{report['store']}: {_mb(report['before']['bytes'])} in {report['before']['chunks']} chunks; "
@@ -98,7 +104,8 @@ def register(sub) -> None:
     p = store.add_parser("gc", help="delete least recently used chunks, chains from their tail, down to a size")
     p.add_argument("--store", required=True, help="store URL")
     p.add_argument("--max-bytes", help="keep at most this much (bytes, or 500M, 20G, 1T)")
-    p.add_argument("--older-than", help="also delete what was not used for this long (seconds, or 30m, 12h, 7d)")
+    p.add_argument("--older-than", help="also delete what was not used for this long (seconds, or 30m, 12h, 7d); refused on "
+                        "stores that record only writes (http[s]://, s3:// with touch_s=0)")
     p.add_argument("--dry-run", action="store_true", help="report what would go, delete nothing")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object on the last line")
     p.set_defaults(func=cmd_store_gc)

@@ -19,11 +19,18 @@ level structure. Hence the rules:
   the tail: a chunk whose successor was used recently stays).
 
 So within one group the deepest chunks go first (LRU breaks ties); across groups the least
-recently used tail goes first. Keys outside the key scheme and chunks whose header cannot be read
+recently used tail goes first.
+
+"Used" is what the store can tell (``tracks_use``): a file's access or modification time (a local
+tier ``touch``es each hit), Redis's idle time, on S3 the ``kvcodec-used`` mark that reads leave
+(``S3Store.used``, one ``HeadObject`` per chunk). An HTTP (WebDAV, nginx) store reports only the
+last write, and so does S3 with marking off (``touch_s=0``): there ``older_than_s`` is refused
+(it would delete a hot prefix written long ago), and ``max_bytes`` goes by write time. Keys outside the key scheme and chunks whose header cannot be read
 are counted (``foreign``) and left alone.
 
 ``usage(store)`` -> ``{"bytes", "chunks", "groups": [...], "foreign": {...}}``;
-``gc(store, max_bytes, older_than_s, dry_run)`` -> a report (before, after, deleted, orphans).
+``gc(store, max_bytes, older_than_s, dry_run, now)`` -> a report (before, after, deleted, orphans);
+``tracks_use(store)`` -> whether the times gc reads are last uses.
 """
 from __future__ import annotations
 
@@ -84,10 +91,32 @@ def _split(entries: Iterable[Entry]) -> Tuple[List[Chunk], List[Entry]]:
 
 
 def _headers(store: KVStore, keys: List[str]) -> Dict[str, Optional[dict]]:
+    return _each(store, keys, lambda k: read_header(store, k))
+
+
+def _each(store: KVStore, keys: List[str], fn) -> dict:
     if not keys:
         return {}
     with ThreadPoolExecutor(min(READERS, len(keys)), thread_name_prefix="kv-capacity") as pool:
-        return dict(zip(keys, pool.map(lambda k: read_header(store, k), keys), strict=True))
+        return dict(zip(keys, pool.map(fn, keys), strict=True))
+
+
+def _listed(store: KVStore) -> KVStore:
+    """The store whose listing ``scan`` gives (a local tier lists its remote store)."""
+    from .tiered import TieredStore
+
+    return store.remote if isinstance(store, TieredStore) else store
+
+
+def tracks_use(store: KVStore) -> bool:
+    """Whether the times gc reads for ``store``'s chunks are last uses (not only last writes)."""
+    from .http import HttpStore
+    from .s3 import S3Store
+
+    listed = _listed(store)
+    if isinstance(listed, S3Store):
+        return listed.touch_s > 0
+    return not isinstance(listed, HttpStore)
 
 
 def _rung(header: dict) -> str:
@@ -134,8 +163,19 @@ def gc(store: KVStore, max_bytes: Optional[int] = None, older_than_s: Optional[f
         raise ConfigError(f"gc max_bytes must be an integer >= 0, got {max_bytes!r}")
     if older_than_s is not None and not older_than_s >= 0:
         raise ConfigError(f"gc older_than_s must be >= 0, got {older_than_s!r}")
+    if older_than_s is not None and not tracks_use(store):
+        raise ConfigError(f"gc older_than_s: the store {store.url} reports when a chunk was written, not when it "
+                          "was last used, so an age limit would delete hot prefixes written long ago; "
+                          "bound it by max_bytes (oldest writes go first) or by the store's own expiry")
     now = time.time() if now is None else now
     chunks, foreign = _split(store.scan())
+    from .s3 import S3Store
+
+    listed = _listed(store)
+    if isinstance(listed, S3Store) and listed.touch_s > 0:  # the marks reads leave, not LastModified
+        for c, used in zip(chunks, _each(listed, [c.key for c in chunks], listed.used).values(), strict=True):
+            if used is not None:
+                c.time = used
     unreadable = []
     for c, header in zip(chunks, _headers(store, [c.key for c in chunks]).values(), strict=True):
         index = header.get("chunk_index") if header else None

@@ -16,6 +16,16 @@ profile or the instance role. Requests:
   ``PutObject`` is atomic on S3: a reader sees no object, the old one or the whole new one.
 - ``scan``: ``ListObjectsV2`` under the prefix (size and ``LastModified``).
 
+Last use. S3 keeps only the time an object was written, so this store records use itself: every
+``put`` stores the object with the user metadata ``kvcodec-used`` (epoch seconds), and a ``get``
+that finds the chunk marks it used again, at most once per ``touch_s`` seconds per key in this
+process, by copying the object onto itself with new metadata (``CopyObject``, server side: no bytes
+cross the link; it also moves ``LastModified``). The copy runs on a background thread off the read
+(at most ``_TOUCH_QUEUE`` waiting; more are dropped); ``close`` waits for those queued. ``used(key)``
+(``HeadObject``) reads the mark back, else ``LastModified`` for objects stored before it existed;
+``kvcodec.store.capacity.gc`` orders and ages S3 chunks by it. ``touch_s=0`` turns marking off (and
+with it gc's ``older_than_s`` on this store). ``clock`` (default ``time.time``) stamps the marks.
+
 One boto3 client per store object (thread-safe, made on first use), with a connection pool of
 ``pool`` connections, ``connect_timeout_s`` / ``timeout_s`` per attempt and ``attempts`` attempts
 in all (the fetch deadline belongs to the caller, so few). Inside a caller's
@@ -28,23 +38,33 @@ TLS (an ``https://`` endpoint) verifies the server against the CA bundle ``ca_fi
 ``KVCODEC_STORE_CA_FILE``), else boto3's own (``AWS_CA_BUNDLE``, the system CAs); a certificate
 that does not verify raises ``StoreUnavailable`` saying so.
 
-URL options: ``?timeout_s=10&connect_timeout_s=3&attempts=2&pool=16&addressing=auto|path|virtual``.
+URL options: ``?timeout_s=10&connect_timeout_s=3&attempts=2&pool=16&addressing=auto|path|virtual&touch_s=3600``.
 ``boto3`` is imported only when an ``s3://`` store is opened.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from typing import Iterator, Optional
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, Optional
 from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import ConfigError, StoreUnavailable
 from . import CA_FILE_ENV, Entry, KVStore, check_key, check_range
 from . import deadline as call_deadline
 
+log = logging.getLogger("kvcodec.store.s3")
+
 SUFFIX = ".kvc"
+USED = "kvcodec-used"  # user metadata: epoch seconds of the chunk's last use (or its write)
+TOUCH_S = 3600.0  # a process marks a chunk used at most this often
+_TOUCH_QUEUE = 256  # marks waiting for the background thread; more are dropped
+_TOUCH_KEYS = 1 << 16  # keys whose last mark this process remembers
 _PIECE = 1 << 16  # bytes read at a time inside a caller's deadline
-_NUMBERS = {"timeout_s": float, "connect_timeout_s": float, "attempts": int, "pool": int}
+_NUMBERS = {"timeout_s": float, "connect_timeout_s": float, "attempts": int, "pool": int, "touch_s": float}
 _ADDRESSING = ("auto", "path", "virtual")
 _MISS = ("NoSuchKey", "404", "NotFound")
 _TAKEN = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
@@ -54,7 +74,8 @@ _AUTH = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "
 
 class S3Store(KVStore):
     def __init__(self, bucket: str, prefix: str = "", timeout_s: float = 10.0, connect_timeout_s: float = 3.0,
-                 attempts: int = 2, pool: int = 16, addressing: str = "auto", ca_file: Optional[str] = None) -> None:
+                 attempts: int = 2, pool: int = 16, addressing: str = "auto", ca_file: Optional[str] = None,
+                 touch_s: float = TOUCH_S, clock: Callable[[], float] = time.time) -> None:
         if not isinstance(bucket, str) or len(bucket) < 3:
             raise ConfigError(f"S3 store bucket must have 3 or more characters, got {bucket!r}")
         for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
@@ -63,6 +84,8 @@ class S3Store(KVStore):
         for name, value in (("attempts", attempts), ("pool", pool)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"S3 store {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(touch_s, (int, float)) or not touch_s >= 0:
+            raise ConfigError(f"S3 store touch_s must be >= 0 (0: never mark use), got {touch_s!r}")
         if addressing not in _ADDRESSING:
             raise ConfigError(f"S3 store addressing must be one of {', '.join(_ADDRESSING)}, got {addressing!r}")
         self.bucket, self.prefix = bucket, prefix.strip("/")
@@ -73,8 +96,12 @@ class S3Store(KVStore):
         if self.ca_file and not os.path.isfile(self.ca_file):
             raise ConfigError(f"S3 store: the CA bundle {self.ca_file!r} ({CA_FILE_ENV}) is not a file")
         self.conditional = True  # False once the server turned If-None-Match down
+        self.touch_s, self.clock = float(touch_s), clock
         self._client = None
         self._lock = threading.Lock()
+        self._toucher: Optional[ThreadPoolExecutor] = None
+        self._touched: "OrderedDict[str, float]" = OrderedDict()  # key -> clock() of this process's last mark
+        self._touches_waiting = 0
 
     @classmethod
     def from_url(cls, url: str, ca_file: Optional[str] = None) -> "S3Store":
@@ -194,11 +221,13 @@ class S3Store(KVStore):
 
         name = self._name(key)
         try:
-            return self._call("GET", key, lambda c: self._body(c.get_object(Bucket=self.bucket, Key=name), "GET", key))
+            data = self._call("GET", key, lambda c: self._body(c.get_object(Bucket=self.bucket, Key=name), "GET", key))
         except bx.ClientError as exc:
             if self._code(exc) in _MISS:
                 return None
             raise self._fail("GET", key, exc) from None
+        self.touch(key)
+        return data
 
     def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
         import botocore.exceptions as bx
@@ -237,7 +266,7 @@ class S3Store(KVStore):
         if self.conditional and not overwrite:
             try:
                 self._call("PUT", key, lambda c: c.put_object(Bucket=self.bucket, Key=name, Body=body,
-                                                              IfNoneMatch="*"))
+                                                              Metadata=self._stamp(), IfNoneMatch="*"))
                 return True
             except bx.ClientError as exc:
                 code = self._code(exc)
@@ -251,7 +280,8 @@ class S3Store(KVStore):
         if not overwrite and self.exists(key):
             return False
         try:
-            self._call("PUT", key, lambda c: c.put_object(Bucket=self.bucket, Key=name, Body=body))
+            self._call("PUT", key, lambda c: c.put_object(Bucket=self.bucket, Key=name, Body=body,
+                                                          Metadata=self._stamp()))
         except bx.ClientError as exc:
             raise self._fail("PUT", key, exc) from None
         return True
@@ -283,13 +313,89 @@ class S3Store(KVStore):
         except (bx.BotoCoreError, OSError) as exc:
             raise self._fail("LIST", lead or "/", exc) from None
 
+    # -- last use --------------------------------------------------------------------------------
+
+    def _stamp(self) -> dict:
+        return {USED: f"{self.clock():.3f}"}
+
+    def touch(self, key: str) -> None:
+        """Mark the chunk used now, unless this process did within ``touch_s``: queued for the
+        background thread (never blocks the caller; dropped when too many wait)."""
+        if self.touch_s <= 0:
+            return
+        now = self.clock()
+        with self._lock:
+            last = self._touched.get(key)
+            if last is not None and now - last < self.touch_s:
+                return
+            if self._touches_waiting >= _TOUCH_QUEUE:
+                return
+            self._touched[key] = now
+            self._touched.move_to_end(key)
+            while len(self._touched) > _TOUCH_KEYS:
+                self._touched.popitem(last=False)
+            if self._toucher is None:
+                self._toucher = ThreadPoolExecutor(1, thread_name_prefix="kv-s3-touch")
+            self._touches_waiting += 1
+            self._toucher.submit(self._mark, key, now)
+
+    def _mark(self, key: str, when: float) -> None:
+        """``CopyObject`` of the object onto itself with ``kvcodec-used`` = ``when``; a chunk deleted
+        meanwhile stays deleted; a failure is logged (a lost mark makes gc see an older use)."""
+        import botocore.exceptions as bx
+
+        name = self._name(key)
+        try:
+            self._call("COPY", key, lambda c: c.copy_object(
+                Bucket=self.bucket, Key=name, CopySource={"Bucket": self.bucket, "Key": name},
+                Metadata={USED: f"{when:.3f}"}, MetadataDirective="REPLACE"))
+        except bx.ClientError as exc:
+            if self._code(exc) not in _MISS:
+                log.warning("%s", self._fail("COPY (mark used)", key, exc))
+        except StoreUnavailable as exc:
+            log.warning("%s", exc)
+        finally:
+            with self._lock:
+                self._touches_waiting = max(0, self._touches_waiting - 1)
+
+    def used(self, key: str) -> Optional[float]:
+        """When the chunk was last used as far as marks tell (``kvcodec-used``), else its
+        ``LastModified``; None when it is not stored."""
+        import botocore.exceptions as bx
+
+        name = self._name(key)
+        try:
+            head = self._call("HEAD", key, lambda c: c.head_object(Bucket=self.bucket, Key=name))
+        except bx.ClientError as exc:
+            if self._code(exc) in _MISS:
+                return None
+            raise self._fail("HEAD", key, exc) from None
+        try:
+            return float(head.get("Metadata", {})[USED])
+        except (KeyError, TypeError, ValueError):
+            return head["LastModified"].timestamp()
+
+    def _stop_touches(self, wait: bool) -> None:
+        with self._lock:
+            toucher, self._toucher = self._toucher, None
+            if not wait:
+                self._touches_waiting = 0  # those queued are cancelled
+        if toucher is not None:
+            toucher.shutdown(wait=wait, cancel_futures=not wait)
+
     def drop_connections(self) -> None:
         """Calls from now on use a new client and pool (the fetcher calls this when the store's
         circuit breaker opens: a connection of a sick spell may stay sick); the old client is
-        closed, so its calls still running fail at once as unavailable."""
-        self.close()
+        closed, so its calls still running fail at once as unavailable. Marks waiting are dropped."""
+        self._stop_touches(wait=False)
+        self._drop_client()
 
     def close(self) -> None:
+        """Waits for the marks already queued, then closes the client."""
+        self._stop_touches(wait=True)
+        self._drop_client()
+
+    def _drop_client(self) -> None:
         with self._lock:
             client, self._client = self._client, None
         if client is not None:

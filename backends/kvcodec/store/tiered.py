@@ -134,7 +134,7 @@ class TieredStore(KVStore):
                 over = True
             else:
                 self._held += len(data)
-                over = self._held > self.max_bytes
+                over = self._held > 2 * self.max_bytes
             if not over or self._collecting:
                 return
             self._collecting = True
