@@ -182,7 +182,28 @@ def parse(data, auth: ChunkAuth) -> Container:
         except ValueError:
             raise CorruptChunk("sealed header fields unreadable") from None
         header.update({k: v for k, v in fields.items() if k in SEALED_FIELDS} if isinstance(fields, dict) else {})
-    return Container(header, plain, {name: _digest(body) for name, body in plain.items()}, signer, encrypted=True)
+    return Container(header, plain, _Digests(plain), signer, encrypted=True)
+
+
+class _Digests(dict):
+    """The plaintext sections' digests, each taken when first asked for: AES-GCM has already
+    authenticated them; a reader asks only for the one a verbatim coder compares (``serving.decode``)."""
+
+    def __init__(self, sections: Dict[str, bytes]) -> None:
+        super().__init__()
+        self._sections = sections
+
+    def __missing__(self, name: str) -> str:
+        if name not in self._sections:
+            raise KeyError(name)
+        self[name] = digest = _digest(self._sections[name])
+        return digest
+
+    def get(self, name, default=None):
+        return self[name] if name in self._sections else default
+
+    def items(self):
+        return [(name, self[name]) for name in self._sections]
 
 
 def resign(data, auth: ChunkAuth) -> bytes:
