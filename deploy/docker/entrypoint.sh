@@ -17,6 +17,13 @@
 #                       /var/lib/kvcodec/repository: never under /models, where the model is mounted;
 #                       `kvcodec repository` refuses a folder it did not write and deletes nothing of it)
 #   KVCODEC_START_TIMEOUT_S  how long tritonserver may take to load every model (default 1800)
+#   KVCODEC_TRTLLM_LLMAPI_DIR  trtllm-llmapi: the folder holding NVIDIA's LLM-API model.py and helpers.py,
+#                       which must match the container's tensorrt_llm (default
+#                       /app/all_models/llmapi/tensorrt_llm/1, where the -trtllm-python-py3 images keep
+#                       them); copied into the repository. The connector's settings reach TensorRT-LLM's
+#                       workers as TRTLLM_KVCODEC_CONFIG (the repository's kvcodec-trtllm.json) and the
+#                       chunk key as TRTLLM_KVCODEC_CHUNK_KEY(_PREVIOUS), from KVCODEC_CHUNK_KEY(_PREVIOUS)
+#                       (its workers receive only TLLM_*/TRTLLM_* variables)
 #   KVCODEC_GRPC_TLS_CERT, KVCODEC_GRPC_TLS_KEY  gRPC over TLS (PEM files, e.g. from a Secret volume);
 #   KVCODEC_GRPC_TLS_CLIENT_CA                   with it, mutual TLS: only clients this CA signed
 # Triton's model control, shared memory, trace and logging APIs answer only callers that send the
@@ -31,10 +38,31 @@ if [ -z "${KVCODEC_MODEL:-}" ] && [ "${KVCODEC_DEMO_MODEL:-0}" != "1" ]; then
 fi
 variant="${KVCODEC_VARIANT:-gpu}"
 repository="${KVCODEC_REPOSITORY:-${KVCODEC_HOME:-/var/lib/kvcodec}/repository}"
+llmapi="${KVCODEC_TRTLLM_LLMAPI_DIR:-/app/all_models/llmapi/tensorrt_llm/1}"
+if [ "$variant" = "trtllm-llmapi" ]; then
+  for f in model.py helpers.py; do
+    if [ ! -f "$llmapi/$f" ]; then
+      echo "kvcodec-entrypoint: $llmapi/$f is missing: the trtllm-llmapi variant runs NVIDIA's LLM-API model" \
+           "of this container's tensorrt_llm; set KVCODEC_TRTLLM_LLMAPI_DIR to the folder that holds its" \
+           "model.py and helpers.py (docs/deploy-trtllm.md, section 3)" >&2
+      exit 2
+    fi
+  done
+fi
 if [ "$variant" = "cpu" ]; then
   kvcodec repository --variant cpu --out "$repository"
 else
   kvcodec repository --variant "$variant" --gpus "${KVCODEC_GPUS:-0}" --out "$repository"
+fi
+if [ "$variant" = "trtllm-llmapi" ]; then
+  cp "$llmapi/model.py" "$llmapi/helpers.py" "$repository/tensorrt_llm/1/"
+  export TRTLLM_KVCODEC_CONFIG="$repository/tensorrt_llm/1/kvcodec-trtllm.json"
+  if [ -n "${KVCODEC_CHUNK_KEY:-}" ] && [ -z "${TRTLLM_KVCODEC_CHUNK_KEY:-}" ]; then
+    export TRTLLM_KVCODEC_CHUNK_KEY="$KVCODEC_CHUNK_KEY"
+  fi
+  if [ -n "${KVCODEC_CHUNK_KEY_PREVIOUS:-}" ] && [ -z "${TRTLLM_KVCODEC_CHUNK_KEY_PREVIOUS:-}" ]; then
+    export TRTLLM_KVCODEC_CHUNK_KEY_PREVIOUS="$KVCODEC_CHUNK_KEY_PREVIOUS"
+  fi
 fi
 set -- -- "$@"
 if [ -n "${KVCODEC_GRPC_TLS_CLIENT_CA:-}" ]; then
