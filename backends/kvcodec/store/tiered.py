@@ -5,7 +5,8 @@
 (a folder on this machine: ``file:///dev/shm/kvcodec`` keeps it in RAM, a local disk outlives a
 reboot) answers first:
 
-- ``get``: the local copy if there is one (its use time refreshed, for eviction), else the
+- ``get``: the local copy if there is one (its use time refreshed, for eviction; an S3 remote
+  is marked used too, for its gc), else the
   remote's, which is then kept locally; ``get_tiered`` also says which tier answered
   (``"local"`` / ``"remote"``), so the fetcher prices the two links apart; ``get_local``: the
   local copy alone (read while the remote store's breaker keeps it out);
@@ -59,6 +60,7 @@ class TieredStore(KVStore):
     def get_tiered(self, key: str) -> Tuple[Optional[bytes], str]:
         data = self.get_local(key)
         if data:
+            self._mark_remote(key)
             return data, LOCAL
         data = self.remote.get(key)
         if data:
@@ -111,6 +113,14 @@ class TieredStore(KVStore):
         self.remote.close()
 
     # -- the local tier ----------------------------------------------------------------------
+    def _mark_remote(self, key: str) -> None:
+        """A local hit is a use of the remote chunk too: an S3 remote, which sees no read then, is
+        told (``S3Store.touch``: queued, at most once per ``touch_s``), so its gc keeps the chunk."""
+        from .s3 import S3Store
+
+        if isinstance(self.remote, S3Store):
+            self.remote.touch(key)
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counts[name] += n
@@ -134,7 +144,7 @@ class TieredStore(KVStore):
                 over = True
             else:
                 self._held += len(data)
-                over = self._held > 2 * self.max_bytes
+                over = self._held > self.max_bytes
             if not over or self._collecting:
                 return
             self._collecting = True
