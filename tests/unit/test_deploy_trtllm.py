@@ -72,7 +72,7 @@ def test_the_llmapi_variant_gets_nvidias_model_and_the_connectors_variables(tmp_
     settings = json.loads(Path(env["TRTLLM_KVCODEC_CONFIG"]).read_text())
     assert settings["store"] == "file:///srv/kv"
     assert env["TRTLLM_KVCODEC_CHUNK_KEY"] == KEY  # what TensorRT-LLM's workers receive
-    from kvcodec.engines.trtllm_config import CONFIG_ENV, CHUNK_KEY_ENV
+    from kvcodec.engines.trtllm_config import CHUNK_KEY_ENV, CONFIG_ENV
 
     assert {CONFIG_ENV, CHUNK_KEY_ENV} <= set(env)  # the names the connector reads
 
