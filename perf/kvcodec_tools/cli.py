@@ -54,7 +54,8 @@ COMMANDS = (
     "kvcodec_tools.probe_cli",  # probe
     "kvcodec_tools.quality.evaluate_cli",  # eval
     ("bench", "benchmarks", ("kvcodec_tools.bench", "kvcodec_tools.concurrency", "kvcodec_tools.loadbench",
-                             "kvcodec_tools.run_perf", "kvcodec_tools.peers", "kvcodec_tools.tenants_bench")),
+                             "kvcodec_tools.run_perf", "kvcodec_tools.peers", "kvcodec_tools.tenants_bench",
+                             "kvcodec_tools.workload_cli")),
     "kvcodec_tools.soak",  # soak
     "kvcodec_tools.repository_cli",  # repository
     "kvcodec_tools.quality.rd",  # rd

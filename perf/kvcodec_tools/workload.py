@@ -1,0 +1,367 @@
+"""Peers' workloads, their prompts and their figures: LMCache's long-document QA
+(``benchmarks/long_doc_qa/long_doc_qa.py``) and multi-round QA (``benchmarks/multi_round_qa/
+multi-round-qa.py``), with the same knobs and metric definitions. This module only builds prompts,
+schedules and rows (no server, no network); ``workload_run`` sends them, ``workload_cli`` is the
+command (``kvcodec bench workload long-doc-qa|multi-round``).
+
+long-doc-qa (LMCache's): ``documents`` documents of ``document_tokens`` tokens; a warm-up round
+sends each document once; the query round sends them ``repeat_count`` times, ordered by
+``repeat_mode`` (``random``: shuffled with ``shuffle_seed``; ``tile``: [1,2,3,1,2,3];
+``interleave``: [1,1,2,2,3,3]), and with ``hit_miss`` "H:M" every request i with i % (H+M) >= H
+made a miss by a random number put before it (LMCache's ``add_cache_misses``); at most
+``inflight`` requests at a time. Figures: mean TTFT per round, round time (first send to last
+answer), TTFT gain = warm-up mean TTFT / query mean TTFT. Differences from LMCache: the documents
+are real text (standard-library modules, each headed by its number so none is a prefix of
+another) with a question after them, where LMCache repeats "hi"; TTFT is the first non-empty text
+(LMCache's completions mode waits for non-whitespace); prompts go to ``/v1/completions``.
+
+multi-round (LMCache's): ``users`` users, each ``rounds`` turns; every user's first prompt is the
+shared system prompt (``system_tokens``) and its own context (``user_info_tokens``), then its
+question; each later turn sends the whole conversation so far (questions and the model's
+answers) and a new question; ``answer_tokens`` per answer. Arrivals as LMCache's
+``UserSessionManager``: with ``qps`` the overall request rate, a user sends a turn every
+``users / qps`` seconds (not before its previous answer came back) and a new user joins every
+``(users / qps) * (rounds - 1) / users`` seconds. Figures: turn 1 is the warm-up (nothing of its
+own conversation is cached yet, the system prompt may be), later turns the query; TTFT per turn.
+
+Rows (``--json``): ``workload``, ``method``, ``bandwidth_mbps``, ``restart_between_rounds``,
+``warmup_ttft_mean_s``, ``query_ttft_mean_s``, ``ttft_gain``, ``warmup_round_s``,
+``query_round_s``, ``answers_equal`` (every answer equal to prefill's, greedy), ``mismatches``,
+``requests`` (one entry per request: round or turn, times, cached tokens, equal), ``ttft_by_turn``
+(multi-round), ``config``. A file holds one row per (workload, method, bandwidth_mbps,
+restart_between_rounds): a new run replaces its own row and keeps the others.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .texts import cut_to_tokens, stdlib_text
+
+REPEAT_MODES = ("random", "tile", "interleave")
+DOC_SOURCES = ("argparse.py", "typing.py", "inspect.py", "pathlib.py", "ast.py", "enum.py", "subprocess.py",
+               "tarfile.py", "logging/__init__.py", "collections/__init__.py", "dataclasses.py", "functools.py")
+SYSTEM_SOURCE = "textwrap.py"
+USER_SOURCES = ("shlex.py", "fnmatch.py", "glob.py", "string.py", "heapq.py", "bisect.py")
+QUESTION = "\n\n# Question: what does the code above do?\n# Answer:"
+MAX_REQUESTS = 10_000  # a bound on one run's requests
+
+
+@dataclass(frozen=True)
+class LongDocConfig:
+    documents: int = 8
+    document_tokens: int = 20000
+    output_tokens: int = 100
+    repeat_count: int = 2
+    repeat_mode: str = "random"
+    shuffle_seed: int = 0
+    hit_miss: Optional[str] = None
+    inflight: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("documents", "document_tokens", "output_tokens", "repeat_count", "inflight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.repeat_mode not in REPEAT_MODES:
+            raise ValueError(f"repeat_mode must be one of {', '.join(REPEAT_MODES)}, got {self.repeat_mode!r}")
+        parse_hit_miss(self.hit_miss)
+        if self.documents * (self.repeat_count + 1) > MAX_REQUESTS:
+            raise ValueError(f"documents x (repeat_count + 1) is over {MAX_REQUESTS} requests")
+
+
+@dataclass(frozen=True)
+class MultiRoundConfig:
+    users: int = 10
+    rounds: int = 5
+    system_tokens: int = 1000
+    user_info_tokens: int = 0
+    answer_tokens: int = 100
+    qps: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("users", "rounds", "answer_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.system_tokens < 0 or self.user_info_tokens < 0:
+            raise ValueError("system_tokens and user_info_tokens must be >= 0")
+        if not self.qps > 0:
+            raise ValueError(f"qps must be > 0, got {self.qps}")
+        if self.users * self.rounds > MAX_REQUESTS:
+            raise ValueError(f"users x rounds is over {MAX_REQUESTS} requests")
+
+
+# ---- long-doc-qa ---------------------------------------------------------------------------------
+
+def _long_text(tokenizer, sources: Sequence[str], start: int, tokens: int) -> str:
+    """At least ``tokens`` tokens of whole lines from ``sources``, beginning with ``sources[start]``
+    and going on to the next ones while short."""
+    text = ""
+    for k in range(len(sources)):
+        text += stdlib_text(sources[(start + k) % len(sources)])
+        if len(tokenizer.encode(text)) >= tokens:
+            break
+    return cut_to_tokens(tokenizer, text, tokens)
+
+
+def documents(tokenizer, n: int, tokens: int) -> List[str]:
+    """``n`` prompts of about ``tokens`` tokens: document i is headed by its number (none is a prefix
+    of another, as LMCache's), a standard-library text after it, a question at its end."""
+    return [f"Document {i}.\n" + _long_text(tokenizer, DOC_SOURCES, i, tokens) + QUESTION for i in range(n)]
+
+
+def repeat_prompts(items: Sequence, count: int, mode: str, rng: random.Random) -> List:
+    """LMCache's ``repeat_prompts``: ``random`` (all repeats, shuffled), ``tile``, ``interleave``."""
+    if mode == "random":
+        out = list(items) * count
+        rng.shuffle(out)
+        return out
+    if mode == "tile":
+        return list(items) * count
+    if mode == "interleave":
+        return [x for x in items for _ in range(count)]
+    raise ValueError(f"repeat_mode must be one of {', '.join(REPEAT_MODES)}, got {mode!r}")
+
+
+def parse_hit_miss(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """"H:M" -> (H, M); None for None."""
+    if text is None:
+        return None
+    try:
+        hit, miss = (int(x) for x in text.split(":", 1))
+    except ValueError:
+        raise ValueError(f"hit_miss is H:M with H and M whole numbers, got {text!r}") from None
+    if hit < 0 or miss < 0 or hit + miss == 0:
+        raise ValueError(f"hit_miss needs H, M >= 0 and H + M > 0, got {text!r}")
+    return hit, miss
+
+
+def miss_positions(n: int, hit_miss: Optional[str]) -> List[bool]:
+    """For each of ``n`` query requests, whether it is made a miss: i % (H+M) >= H (LMCache's)."""
+    parsed = parse_hit_miss(hit_miss)
+    if parsed is None:
+        return [False] * n
+    hit, miss = parsed
+    return [i % (hit + miss) >= hit for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Query:
+    """One request of a round: the document it asks about, whether it was made a miss, its prompt."""
+    doc: int
+    miss: bool
+    prompt: str
+
+
+def query_round(prompts: Sequence[str], config: LongDocConfig) -> List[Query]:
+    """The query round: the documents repeated as ``repeat_mode`` says, then the misses mixed in (a
+    random number and a space before the prompt, as LMCache's ``add_cache_misses``)."""
+    rng = random.Random(config.shuffle_seed)
+    order = repeat_prompts(range(len(prompts)), config.repeat_count, config.repeat_mode, rng)
+    out = []
+    for doc, miss in zip(order, miss_positions(len(order), config.hit_miss), strict=True):
+        prompt = f"{rng.randint(-10_000_000, 10_000_000)} {prompts[doc]}" if miss else prompts[doc]
+        out.append(Query(doc, miss, prompt))
+    return out
+
+
+# ---- multi-round ---------------------------------------------------------------------------------
+
+def user_question(turn: int) -> str:
+    """LMCache's question for turn ``turn`` (1-based)."""
+    return f"Here's question #{turn}: can you tell me a new long story with a happy ending?"
+
+
+def system_prompt(tokenizer, tokens: int) -> str:
+    """The system prompt every user shares."""
+    if tokens == 0:
+        return "System: you are a helpful assistant.\n"
+    return "System: here is some system prompt:\n" + _long_text(tokenizer, (SYSTEM_SOURCE,) + DOC_SOURCES, 0,
+                                                                  tokens) + "\n"
+
+
+def user_context(tokenizer, user: int, tokens: int) -> str:
+    """User ``user``'s own context (LMCache's "user info"), after the shared system prompt."""
+    head = f"For user {user}, here is some other context:\n"
+    if tokens == 0:
+        return head
+    return head + _long_text(tokenizer, USER_SOURCES, user, tokens) + "\n"
+
+
+def conversation_prompt(system: str, context: str, answers: Sequence[str]) -> str:
+    """The prompt of turn ``len(answers) + 1``: system prompt, user context, each earlier question
+    with the model's answer, the new question; the previous turn's prompt is a prefix of it."""
+    text = system + context
+    for turn, answer in enumerate(answers, start=1):
+        text += f"\nUser: {user_question(turn)}\nAssistant:{answer}"
+    return text + f"\nUser: {user_question(len(answers) + 1)}\nAssistant:"
+
+
+def user_gaps(config: MultiRoundConfig) -> Tuple[float, float]:
+    """(seconds between a user's turns, seconds between users joining), as LMCache's
+    ``UserSessionManager``: users / qps, and that times (rounds - 1) / users."""
+    per_user = config.users / config.qps
+    return per_user, per_user * (config.rounds - 1) / config.users
+
+
+def arrival_schedule(config: MultiRoundConfig, first_turn: int = 1,
+                     last_turn: Optional[int] = None) -> List[Tuple[float, int, int]]:
+    """(earliest send time in seconds from the start, user, turn) for turns ``first_turn`` ..
+    ``last_turn`` (1-based, inclusive), sorted by time: user u joins at u x the joining gap and
+    sends turn k (k - first_turn) turn gaps later (and not before its previous answer is back,
+    which the runner waits for)."""
+    last_turn = config.rounds if last_turn is None else last_turn
+    if not 1 <= first_turn <= last_turn <= config.rounds:
+        raise ValueError(f"turns {first_turn}..{last_turn} are outside 1..{config.rounds}")
+    per_user, joining = user_gaps(config)
+    out = [(u * joining + (k - first_turn) * per_user, u, k) for u in range(config.users)
+           for k in range(first_turn, last_turn + 1)]
+    return sorted(out)
+
+
+# ---- figures and rows ----------------------------------------------------------------------------
+
+@dataclass
+class Record:
+    """One request: ``round`` ("warmup" / "query"), ``doc`` or ``user``/``turn``, times from the start
+    of its round (``start_s``, ``ttft_s`` from its own send, ``end_s``), ``cached_tokens`` (what the
+    server says it reused), ``equal`` (its answer equal to prefill's)."""
+    round: str
+    start_s: float
+    ttft_s: float
+    end_s: float
+    cached_tokens: Optional[int] = None
+    equal: Optional[bool] = None
+    doc: Optional[int] = None
+    miss: Optional[bool] = None
+    user: Optional[int] = None
+    turn: Optional[int] = None
+    text: str = ""
+    prompt: str = ""
+
+    def public(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if v is not None and k not in ("text", "prompt")}
+        for k in ("start_s", "ttft_s", "end_s"):
+            out[k] = round(out[k], 4)
+        return out
+
+
+def mean(values: Sequence[float]) -> Optional[float]:
+    return statistics.fmean(values) if values else None
+
+
+def ttft_gain(warmup: Optional[float], query: Optional[float]) -> Optional[float]:
+    """LMCache's TTFT gain: warm-up mean TTFT / query mean TTFT (None when either is missing or 0)."""
+    if not warmup or not query:
+        return None
+    return warmup / query
+
+
+def round_span(records: Sequence[Record]) -> Optional[float]:
+    """A round's time: its first send to its last answer."""
+    if not records:
+        return None
+    return max(r.end_s for r in records) - min(r.start_s for r in records)
+
+
+def _r(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 4)
+
+
+def make_row(workload: str, method: str, bandwidth_mbps: Optional[float], restart: bool, records: Sequence[Record],
+             config: dict, warmup_round_s: Optional[float] = None,
+             query_round_s: Optional[float] = None) -> dict:
+    """The row of one run. Round times default to the span of each round's records."""
+    warm = [r for r in records if r.round == "warmup"]
+    query = [r for r in records if r.round == "query"]
+    w, q = mean([r.ttft_s for r in warm]), mean([r.ttft_s for r in query])
+    checked = [r for r in records if r.equal is not None]
+    row = {"workload": workload, "method": method, "bandwidth_mbps": bandwidth_mbps,
+           "restart_between_rounds": bool(restart), "warmup_ttft_mean_s": _r(w), "query_ttft_mean_s": _r(q),
+           "ttft_gain": _r(ttft_gain(w, q)),
+           "warmup_round_s": _r(round_span(warm) if warmup_round_s is None else warmup_round_s),
+           "query_round_s": _r(round_span(query) if query_round_s is None else query_round_s),
+           "answers_equal": bool(checked) and len(checked) == len(records) and all(r.equal for r in checked),
+           "mismatches": sum(1 for r in checked if not r.equal), "config": config,
+           "requests": [r.public() for r in records]}
+    turns = sorted({r.turn for r in records if r.turn is not None})
+    if turns:
+        row["ttft_by_turn"] = {str(k): _r(mean([r.ttft_s for r in records if r.turn == k])) for k in turns}
+    return row
+
+
+def row_key(row: dict) -> tuple:
+    return (row["workload"], row["method"], row.get("bandwidth_mbps"), bool(row.get("restart_between_rounds")))
+
+
+def merge_rows(path: Path, new: Sequence[dict]) -> List[dict]:
+    """Write ``new`` into the JSON file at ``path`` (``{"rows": [...]}``), replacing a row of the same
+    (workload, method, bandwidth_mbps, restart_between_rounds) in its place and keeping the others;
+    the file's rows afterwards."""
+    path = Path(path)
+    rows: List[dict] = []
+    if path.is_file():
+        try:
+            rows = list(json.loads(path.read_text()).get("rows", []))
+        except (ValueError, AttributeError) as exc:
+            raise ValueError(f"{path} is not a rows file ({{\"rows\": [...]}}): {exc}") from None
+    for row in new:
+        keys = [row_key(r) for r in rows]
+        if row_key(row) in keys:
+            rows[keys.index(row_key(row))] = row
+        else:
+            rows.append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    return rows
+
+
+def _label(row: dict) -> str:
+    bw = "" if row.get("bandwidth_mbps") is None else f" {row['bandwidth_mbps']:g} Mbit/s"
+    return row["method"] + bw + (" restart" if row.get("restart_between_rounds") else "")
+
+
+def plot(rows: Sequence[dict], path: Path, log: Callable[[str], None] = print) -> None:
+    """Long-doc-qa: warm-up and query mean TTFT per row; multi-round: mean TTFT per turn per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs = [r for r in rows if r["workload"] == "long-doc-qa"]
+    chats = [r for r in rows if r["workload"] == "multi-round"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    for i, row in enumerate(docs):
+        ax.bar([i - 0.2], [row["warmup_ttft_mean_s"] or 0], 0.4, color="tab:gray", label="warm-up" if i == 0 else None)
+        ax.bar([i + 0.2], [row["query_ttft_mean_s"] or 0], 0.4, color="tab:blue", label="query" if i == 0 else None)
+        if row.get("ttft_gain"):
+            ax.annotate(f"{row['ttft_gain']:.1f}x", (i + 0.2, row["query_ttft_mean_s"] or 0), ha="center",
+                        va="bottom", fontsize=8)
+    ax.set_xticks(range(len(docs)), [_label(r) for r in docs], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title("long-doc-qa: warm-up vs query round")
+    if docs:
+        ax.legend(fontsize=8)
+    ax = axes[1]
+    for row in chats:
+        turns = sorted(row.get("ttft_by_turn", {}), key=int)
+        ax.plot([int(k) for k in turns], [row["ttft_by_turn"][k] for k in turns], marker="o", label=_label(row))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title("multi-round: TTFT by turn")
+    if chats:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"plot: {path}")
+
+
+def summary(row: dict) -> Dict[str, object]:
+    """The row without its requests (what the command prints)."""
+    return {k: v for k, v in row.items() if k != "requests"}

@@ -1,0 +1,169 @@
+"""``kvcodec bench workload long-doc-qa|multi-round``: LMCache's published workloads against a server
+(``kvcodec_tools.workload`` says what they send and what they measure).
+
+    kvcodec bench workload long-doc-qa --method M (--url http://127.0.0.1:P [--target openai|ensemble] | --serve kvcodec|vllm)
+        [--documents 8 --document-tokens 20000 --output-tokens 100 --repeat-count 2 --repeat-mode random
+         --hit-miss 3:1 --inflight 2] [--restart-between-rounds] [--cache-salt S] [--bandwidth-mbps B]
+        [--json perf/results/workloads.json [--plot FILE]]
+    kvcodec bench workload multi-round --method M ... [--users 10 --rounds 5 --system-tokens 1000
+        --user-info-tokens 0 --answer-tokens 100 --qps 0.5]
+
+``--url``: a running server on this machine (an OpenAI-compatible one, or with ``--target ensemble``
+tritonserver's HTTP port). ``--serve``: the command starts ``vllm serve`` itself in this Python (the
+vLLM venv: ``.venv-vllm/bin/kvcodec``), ``kvcodec`` with the KVCodec connector on ``--store`` (default:
+a new folder of the run, so the warm-up round starts cold), ``vllm`` without it (its prefix cache
+on), and with ``--restart-between-rounds`` starts a new server between the warm-up and the query
+round. The prompts are cut to token counts with the embedded model's tokenizer. Exit status 1 when
+an answer differs from prefill's (greedy), 2 on a usage or server error.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .cli import PLOT_HELP, REPO_ROOT, _settings, common
+
+RESULTS = REPO_ROOT / "perf" / "results" / "workloads.json"
+
+
+def _shared(p) -> None:
+    common(p)
+    p.add_argument("--method", required=True, help="the name of what is measured (a row's method)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server on a loopback address (http://127.0.0.1:PORT)")
+    where.add_argument("--serve", choices=["kvcodec", "vllm"],
+                       help="start vllm serve here: with the KVCodec connector (kvcodec) or plain (vllm)")
+    p.add_argument("--target", choices=["openai", "ensemble"], default="openai",
+                   help="--url's interface: /v1/completions, or Triton's ensemble's generate_stream")
+    p.add_argument("--served-model", default=None,
+                   help="the model name to send (default: model for openai, kvcodec for the ensemble)")
+    p.add_argument("--restart-between-rounds", action="store_true",
+                   help="a new server between the warm-up and the query round (needs --serve)")
+    p.add_argument("--cache-salt", default=None, help="the cache salt of every measured request")
+    p.add_argument("--bandwidth-mbps", type=float, default=None, help="the link's rate, as recorded in the row")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="the limit on one request")
+    p.add_argument("--json", default=None, help=f"the rows file to write into (e.g. {RESULTS.relative_to(REPO_ROOT)})")
+    p.add_argument("--plot", default=None, help=PLOT_HELP)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def register(sub) -> None:
+    """``kvcodec bench workload`` under ``kvcodec bench``'s subcommands ``sub``."""
+    p = sub.add_parser("workload", help="LMCache's long-document QA and multi-round QA against a server")
+    kinds = p.add_subparsers(dest="workload", required=True)
+    d = kinds.add_parser("long-doc-qa", help="documents, a warm-up round, a query round of repeats")
+    _shared(d)
+    d.add_argument("--documents", type=int, default=8)
+    d.add_argument("--document-tokens", type=int, default=20000)
+    d.add_argument("--output-tokens", type=int, default=100)
+    d.add_argument("--repeat-count", type=int, default=2)
+    d.add_argument("--repeat-mode", choices=["random", "tile", "interleave"], default="random")
+    d.add_argument("--shuffle-seed", type=int, default=0)
+    d.add_argument("--hit-miss", default=None, help="H:M: in the query round, M of every H+M requests miss")
+    d.add_argument("--inflight", type=int, default=2, help="the most requests in flight")
+    d.set_defaults(func=cmd_workload)
+    m = kinds.add_parser("multi-round", help="users arriving over time, each a growing conversation")
+    _shared(m)
+    m.add_argument("--users", type=int, default=10)
+    m.add_argument("--rounds", type=int, default=5)
+    m.add_argument("--system-tokens", type=int, default=1000, help="the shared system prompt's length")
+    m.add_argument("--user-info-tokens", type=int, default=0, help="each user's own context's length")
+    m.add_argument("--answer-tokens", type=int, default=100)
+    m.add_argument("--qps", type=float, default=0.5, help="the overall request rate (sets the arrivals)")
+    m.set_defaults(func=cmd_workload)
+
+
+def _config(args):
+    from .workload import LongDocConfig, MultiRoundConfig
+
+    if args.workload == "long-doc-qa":
+        return LongDocConfig(args.documents, args.document_tokens, args.output_tokens, args.repeat_count,
+                             args.repeat_mode, args.shuffle_seed, args.hit_miss, args.inflight)
+    return MultiRoundConfig(args.users, args.rounds, args.system_tokens, args.user_info_tokens, args.answer_tokens,
+                            args.qps)
+
+
+class _Servers:
+    """The ``vllm serve`` of ``--serve``, restarted on a new port on demand; ``stop`` ends the last one."""
+
+    def __init__(self, args, model: Path, home: Path) -> None:
+        self.args, self.model, self.current = args, model, None
+        self.root = home / f"workload-{int(time.time())}"
+        store = args.store or f"file://{self.root / 'store'}"
+        self.env = {"KVCODEC_HOME": str(self.root), "KVCODEC_STORE": store}
+
+    def start(self):
+        from .ports import free_ports
+        from .services.vllm_serve import VllmServe
+        from .workload_run import OpenAITarget
+
+        self.stop()
+        [port] = free_ports(1)
+        self.current = VllmServe(self.model, self.root, self.env, port, connector=self.args.serve == "kvcodec")
+        print(f"workload: starting vllm serve ({self.args.serve}) on port {port}, log {self.current.log}",
+              file=sys.stderr, flush=True)
+        self.current.start()
+        return OpenAITarget(self.current.url, self.args.served_model or "model", self.args.cache_salt,
+                            self.args.timeout_s)
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+
+def cmd_workload(args) -> int:
+    from kvcodec.engines.gguf import ensure_model
+    from kvcodec.engines.tokenizer import Tokenizer
+
+    from .workload import make_row, merge_rows, plot, summary
+    from .workload_run import EnsembleTarget, OpenAITarget, WorkloadError, config_dict, run_long_doc_qa, run_multi_round
+
+    prefix = f"kvcodec bench workload {args.workload}"
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return 2
+    if args.restart_between_rounds and not args.serve:
+        print(f"{prefix}: --restart-between-rounds needs --serve (the command restarts only servers it started)",
+              file=sys.stderr)
+        return 2
+    if args.serve and args.target != "openai":
+        print(f"{prefix}: --serve starts vllm serve (--target openai)", file=sys.stderr)
+        return 2
+    settings = _settings(args)
+    files = ensure_model(settings.model_cache)
+    tokenizer = Tokenizer(files)
+    servers = _Servers(args, files.path, Path(settings.home)) if args.serve else None
+    run = run_long_doc_qa if args.workload == "long-doc-qa" else run_multi_round
+    try:
+        if servers is not None:
+            target = servers.start()
+        elif args.target == "ensemble":
+            target = EnsembleTarget(args.url, args.served_model or "kvcodec", args.cache_salt, args.timeout_s)
+        else:
+            target = OpenAITarget(args.url, args.served_model or "model", args.cache_salt, args.timeout_s)
+        restart = servers.start if args.restart_between_rounds else None
+        records, times = run(target, tokenizer, config, restart=restart, progress=not args.no_progress)
+    except (ValueError, WorkloadError) as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if servers is not None:
+            servers.stop()
+    details = {**config_dict(config), "target": "vllm serve (" + args.serve + ")" if args.serve else args.target,
+               "cache_salt": bool(args.cache_salt)}
+    row = make_row(args.workload, args.method, args.bandwidth_mbps, args.restart_between_rounds, records, details,
+                   **times)
+    print(json.dumps(summary(row), indent=2))
+    if args.json:
+        rows = merge_rows(Path(args.json), [row])
+        if args.plot:
+            plot(rows, Path(args.plot), log=lambda m: print(m, file=sys.stderr))
+    if not row["answers_equal"]:
+        print(f"{prefix}: {row['mismatches']} of {len(records)} answers differ from prefill's", file=sys.stderr)
+        return 1
+    return 0
