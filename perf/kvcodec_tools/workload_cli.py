@@ -19,6 +19,7 @@ an answer differs from prefill's (greedy), 2 on a usage or server error.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -108,8 +109,24 @@ class _Servers:
         return OpenAITarget(self.current.url, self.args.served_model or "model", self.args.cache_salt,
                             self.args.timeout_s)
 
+    def drain(self, timeout_s: float = 180.0) -> None:
+        """Wait (at most ``timeout_s``) until the connector has no write-back job waiting or running
+        (``kvcodec_writeback_pending`` 0 on its /metrics), so a restart finds what the warm-up wrote."""
+        if self.current is None or self.args.serve != "kvcodec":
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.current.metrics().get("kvcodec_writeback_pending", 0) == 0:
+                    return
+            except OSError:
+                return
+            time.sleep(0.5)
+        print("workload: write-back still pending at the restart", file=sys.stderr, flush=True)
+
     def stop(self) -> None:
         if self.current is not None:
+            self.drain()
             self.current.stop()
             self.current = None
 
@@ -156,6 +173,9 @@ def cmd_workload(args) -> int:
             servers.stop()
     details = {**config_dict(config), "target": "vllm serve (" + args.serve + ")" if args.serve else args.target,
                "cache_salt": bool(args.cache_salt)}
+    if args.serve == "kvcodec":  # the connector's settings as the server had them (the chunk keys left out)
+        details["settings"] = {k: v for k, v in {**os.environ, **servers.env}.items()
+                               if k.startswith("KVCODEC_") and "KEY" not in k and k != "KVCODEC_HOME"}
     row = make_row(args.workload, args.method, args.bandwidth_mbps, args.restart_between_rounds, records, details,
                    **times)
     print(json.dumps(summary(row), indent=2))

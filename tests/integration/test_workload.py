@@ -1,0 +1,62 @@
+"""LMCache's long-document QA (``kvcodec bench workload long-doc-qa``'s runner) at a tiny size against a
+real ``vllm serve`` with the KVCodec connector: 2 documents of ~600 tokens, output 4, repeat 2, 2 in
+flight. The warm-up round computes both documents and writes their chunks back to the store; the
+server is then replaced by a new one on the same store (vLLM's own prefix cache empty), so the
+query round's first request of each document can only be fast by reading the store. Every answer
+equals prefill's (a reference with a fresh ``cache_salt``: nothing reused) and the query round's
+mean TTFT is below the warm-up's."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
+
+from kvcodec.engines.gguf import ensure_model  # noqa: E402
+from kvcodec_tools.ports import free_ports  # noqa: E402
+from kvcodec_tools.services.vllm_serve import VllmServe  # noqa: E402
+from kvcodec_tools.workload import LongDocConfig, make_row  # noqa: E402
+from kvcodec_tools.workload_run import OpenAITarget, run_long_doc_qa  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
+
+KEY = bytes(range(32)).hex()
+
+
+def _drained(server: VllmServe, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.metrics().get("kvcodec_writeback_pending", 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def test_long_doc_qa_query_round_reads_the_store_after_a_restart(tmp_path: Path, settings, tokenizer):
+    env = {"KVCODEC_HOME": str(tmp_path), "KVCODEC_STORE": f"file://{tmp_path / 'store'}", "KVCODEC_CHUNK_KEY": KEY,
+           "KVCODEC_LADDER": "raw", "KVCODEC_WRITEBACK": "raw", "KVCODEC_THREADS": "1"}
+    model = ensure_model(settings.model_cache).path
+    servers = []
+
+    def start() -> OpenAITarget:
+        if servers:
+            _drained(servers[-1])
+            servers[-1].stop()
+        [port] = free_ports(1)
+        servers.append(VllmServe(model, tmp_path, env, port).start())
+        return OpenAITarget(servers[-1].url)
+
+    config = LongDocConfig(documents=2, document_tokens=600, output_tokens=4, repeat_count=2, repeat_mode="tile",
+                           inflight=2)
+    try:
+        records, times = run_long_doc_qa(start(), tokenizer, config, restart=start, progress=False)
+        tail = servers[-1].log_tail()
+    finally:
+        servers[-1].stop()
+    row = make_row("long-doc-qa", "kvcodec-vllm-serve", None, True, records, {}, **times)
+    print(json.dumps({k: v for k, v in row.items() if k != "requests"}))
+    assert len(servers) == 2 and len(list((tmp_path / "store").glob("**/*.kvc"))) >= 4
+    assert row["answers_equal"], [(r.doc, r.round, r.text) for r in records]
+    query = [r for r in records if r.round == "query"]
+    assert all((r.cached_tokens or 0) >= 512 for r in query), ([r.cached_tokens for r in query], tail)
+    assert row["query_ttft_mean_s"] < row["warmup_ttft_mean_s"], row
