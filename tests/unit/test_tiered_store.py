@@ -6,6 +6,7 @@ hit never moves the remote link's estimate. Against a real Redis behind a link a
 ``vllm serve``: tests/integration/test_vllm_serve.py."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -72,19 +73,55 @@ def test_a_failing_local_tier_only_loses_its_copies(tmp_path):
     assert tiered.counts["local_errors"] >= 3
 
 
+class GatedStore(FileStore):
+    """A local tier whose first listing waits, once taken, until the test lets it go: the keeps made
+    meanwhile land after gc's listing, as a keep racing a gc run does, but every time."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.listed, self.go = threading.Event(), threading.Event()
+
+    def scan(self):
+        entries = list(super().scan())
+        if not self.listed.is_set():
+            self.listed.set()
+            assert self.go.wait(30)
+        return iter(entries)
+
+
 def test_the_local_tier_keeps_to_its_size_by_cutting_chains_from_the_tail(tmp_path):
-    local, remote = FileStore(tmp_path / "local"), FileStore(tmp_path / "remote")
-    chains = [store_chain(remote, list(range(100 * c, 100 * c + 48))) for c in range(3)]  # 3 chains, 6 chunks
+    """Deterministic: gc is joined after every read, so each chain's end is a point where the tier
+    must be within its size. One chain is left in the local folder by an earlier process (the first
+    keep measures it); the first gc run lists the folder while the rest of its chain is kept (those
+    bytes count towards the size after it); a bound that misses either, or keeps to more than its
+    size, fails here on every run."""
+    local, remote = GatedStore(tmp_path / "local"), FileStore(tmp_path / "remote")
+    chains = [store_chain(remote, list(range(100 * c, 100 * c + 48))) for c in range(4)]  # 4 chains, 6 chunks
     size = len(remote.get(chains[0][0]))
+    for k in chains[0]:
+        local.put(k, remote.get(k))  # left by an earlier process
     tiered = TieredStore(local, remote, 7 * size)
-    for keys in chains:
-        for k in keys:
-            assert tiered.get(k)
+
+    def read(k):
+        assert tiered.get(k)
+        if tiered._gc is not None:
+            tiered._gc.join(timeout=30)
+            assert not tiered._gc.is_alive()
+
+    assert tiered.get(chains[1][0])  # the first keep starts a gc run: it lists the folder, then waits
+    assert local.listed.wait(30)
+    for k in chains[1][1:]:
+        assert tiered.get(k)  # kept while that run is between its listing and its deletions
+    local.go.set()
     tiered._gc.join(timeout=30)
-    held = {e.key for e in local.scan()}
-    assert sum(e.size for e in local.scan()) <= 7 * size and tiered.counts["evicted"] > 0
-    assert intact(held, chains) and chains[-1][0] in held  # prefixes stay; the newest chain's head too
-    assert len({e.key for e in remote.scan()}) == 18  # the remote store keeps everything
+    for n, keys in enumerate(chains[1:], 1):
+        for k in keys if n > 1 else ():
+            read(k)
+        held = {e.key for e in local.scan()}
+        assert sum(e.size for e in local.scan()) <= 7 * size, (n, len(held))
+        assert intact(held, chains) and keys[0] in held, n  # prefixes stay; the newest chain's head too
+    assert tiered.counts["evicted"] > 0
+    assert len({e.key for e in remote.scan()}) == 24  # the remote store keeps everything
 
 
 def test_settings_name_the_local_tier(tmp_path):
