@@ -50,7 +50,7 @@ def client_tls(args):
 
 
 def cmd_generate(args) -> int:
-    from kvcodec.engines import tokenizer
+    from kvcodec.engines import open_tokenizer
     from kvcodec_client.client import ClientError, KVCodecClient
 
     settings = _settings(args)
@@ -61,7 +61,7 @@ def cmd_generate(args) -> int:
               f"`kvcodec serve`, or pass --url", file=sys.stderr)
         return 1
     text = args.prompt if args.prompt is not None else _read_text(args.text_file)
-    prompt = tokenizer(settings).encode(text) if args.ids else text
+    prompt = open_tokenizer(settings).encode(text) if args.ids else text
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
                 "stop_words": args.stop or None}
     try:

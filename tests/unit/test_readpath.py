@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcodec.engines import open_engine, tokenizer
+from kvcodec.engines import open_engine, open_tokenizer
 from kvcodec.engines.gguf import ensure_model
 from kvcodec.serving.readpath import ReadPath
 from kvcodec.settings import Settings
@@ -31,7 +31,7 @@ def written(tmp_path_factory):
                               "threads": "1", "store": f"memory://{tmp.name}", "ladder": "raw",
                               "writeback": "first", "decoder_process": "0"}, env={})
     engine = open_engine(settings)
-    ids = tokenizer(settings).encode("def f(x):\n    return x * 2\n" * 120)[:600]
+    ids = open_tokenizer(settings).encode("def f(x):\n    return x * 2\n" * 120)[:600]
     own = list(engine.prefill_chunks(ids, 256))
     list(engine.stream(ids, 1))
     assert engine.writeback.flush(60) and engine.writeback_stats()["written"] == 2
@@ -97,7 +97,7 @@ def test_reads_at_once_each_get_the_same_exact_chunks(tmp_path):
                               "adaptive": "0"}, env={})
     engine = open_engine(settings)
     try:
-        ids = tokenizer(settings).encode("def g(y):\n    return y + 1\n" * 200)[:1100]
+        ids = open_tokenizer(settings).encode("def g(y):\n    return y + 1\n" * 200)[:1100]
         list(engine.stream(ids, 1))
         assert engine.writeback.flush(60) and engine.writeback_stats()["written"] == 4
         path = ReadPath(settings, engine.card, store=engine.writeback.saver.store, workers=4)

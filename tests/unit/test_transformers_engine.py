@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcodec.engines import StreamReport, open_engine, tokenizer
+from kvcodec.engines import StreamReport, open_engine, open_tokenizer
 from kvcodec.engines.gguf import ensure_model
 from kvcodec.settings import Settings
 from tests.kv_close import assert_same_kv
@@ -27,7 +27,7 @@ def test_no_deprecation_warning_on_any_path_that_runs_the_model(tmp_path):
     settings = Settings.load({"model": str(folder), "model_cache": str(tmp_path / "cache"),
                               "home": str(tmp_path / "home"), "threads": "1"}, env={})
     engine = open_engine(settings)
-    ids = tokenizer(settings).encode("def f(x):\n    return x * 2\n" * 60)[:300]
+    ids = open_tokenizer(settings).encode("def f(x):\n    return x * 2\n" * 60)[:300]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a FutureWarning or DeprecationWarning fails the test
         kv = next(engine.prefill_chunks(ids, 256))
@@ -55,7 +55,7 @@ def test_a_miss_writes_its_chunks_back_and_a_reuse_only_those_past_the_restored_
     settings = Settings.load(base, env={})
     engine = open_engine(settings)
     try:
-        ids = tokenizer(settings).encode("def f(x):\n    return x * 2\n" * 120)[:600]
+        ids = open_tokenizer(settings).encode("def f(x):\n    return x * 2\n" * 120)[:600]
         own = list(engine.prefill_chunks(ids, 256))
         report = StreamReport()
         prefill = list(engine.stream(ids, 3, report=report))

@@ -164,14 +164,8 @@ def prepare(settings) -> None:
     ENGINES.get(settings.engine).prepare(settings)
 
 
-# The submodule ``tokenizer`` is imported here, before the function of that name is defined: a first
-# ``import kvcodec.engines.tokenizer`` later would otherwise set the package attribute to the module,
-# and ``from kvcodec.engines import tokenizer`` would give the module instead of this function.
-from . import tokenizer as _tokenizer_module  # noqa: E402,F401
-
-
-def tokenizer(settings):
-    """The chosen engine's tokenizer."""
+def open_tokenizer(settings):
+    """The chosen engine's tokenizer (named apart from the submodule ``tokenizer``, which defines it)."""
     return ENGINES.get(settings.engine).tokenizer(settings)
 
 

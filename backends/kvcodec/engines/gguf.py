@@ -4,7 +4,7 @@ so ``ensure_model`` converts it once (one process at a time) to a safetensors fo
 (``<cache>/smollm2-135m-instruct``) that loads in a few seconds. ``save_pretrained`` refuses
 GGUF-loaded models, so the conversion writes the weights, config and tokenizer explicitly. The
 model identity (bound into every chunk key) is the model name plus the GGUF file's SHA-256,
-computed once at conversion and recorded in the folder (``kvcodec.engines.model_files`` reads it).
+computed once at conversion and recorded in the folder (``model_source.READY``; ``kvcodec.engines.model_files`` reads it).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..errors import Unsupported
-from .model_files import _READY, FOLDER, MODEL_NAME, ModelFiles, _sha256
+from .model_source import FOLDER, MODEL_NAME, READY, ModelFiles, sha256_file
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCHITECTURE = "LlamaForCausalLM"  # the model class, named in config.json
@@ -40,7 +40,7 @@ def ensure_model(cache_dir: os.PathLike, log=None) -> ModelFiles:
             print(message, file=sys.stderr, flush=True)
 
     target = Path(cache_dir) / FOLDER
-    marker = target / _READY
+    marker = target / READY
     if not marker.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.parent / f".{FOLDER}.lock", "w") as lock:
@@ -84,7 +84,7 @@ def _convert(target: Path, log) -> None:
     config["architectures"] = [ARCHITECTURE]
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
-    model_id = f"{MODEL_NAME}@gguf-sha256:{_sha256(gguf)}"
-    (tmp / _READY).write_text(json.dumps({"model_id": model_id, "source": str(gguf)}))
+    model_id = f"{MODEL_NAME}@gguf-sha256:{sha256_file(gguf)}"
+    (tmp / READY).write_text(json.dumps({"model_id": model_id, "source": str(gguf)}))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)

@@ -26,16 +26,16 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Optional
 
 from ..errors import Unsupported
 from . import ModelCard
+from .gguf import _gguf_path, ensure_model
+from .model_source import FOLDER, MODEL_NAME, READY, ModelFiles, sha256_file
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
-FOLDER = "smollm2-135m-instruct"
-_READY = "kvcodec-model.json"
 # The model's shape, as its config says (checked against the config when the engine loads it).
 _SHAPE = dict(layers=30, kv_heads=3, head_dim=64, vocab_size=49152, max_context=8192)
 ROPE_THETA = 100000.0
@@ -46,33 +46,15 @@ _IDS: Dict[str, str] = {}
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-@dataclass(frozen=True)
-class ModelFiles:
-    path: Path
-    model_id: str
-    card: Optional[ModelCard] = None  # a model folder's card (None: the embedded model's)
-
-    def geometry(self, tokens: int):
-        """The KV geometry of this model (from its config.json), without loading the weights."""
-        from ..format.geometry import Geometry
-
-        cfg = json.loads((self.path / "config.json").read_text())
-        heads = int(cfg["num_attention_heads"])
-        return Geometry(layers=int(cfg["num_hidden_layers"]), kv_heads=int(cfg.get("num_key_value_heads", heads)),
-                        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads), tokens=tokens)
-
-
 def model_id(cache_dir: os.PathLike) -> str:
     """The model identity without converting anything: the converted folder's record, or else
     the same value computed from the GGUF file (name + its SHA-256; ~0.2 s, once per process)."""
-    from .gguf import _gguf_path
-
-    marker = Path(cache_dir) / FOLDER / _READY
+    marker = Path(cache_dir) / FOLDER / READY
     if marker.is_file():
         return json.loads(marker.read_text())["model_id"]
     gguf = _gguf_path()
     if str(gguf) not in _IDS:
-        _IDS[str(gguf)] = f"{MODEL_NAME}@gguf-sha256:{_sha256(gguf)}"
+        _IDS[str(gguf)] = f"{MODEL_NAME}@gguf-sha256:{sha256_file(gguf)}"
     return _IDS[str(gguf)]
 
 
@@ -92,8 +74,6 @@ def card_for(settings) -> ModelCard:
 def files_for(settings) -> ModelFiles:
     """The settings' model files, ready to load (the embedded model is converted on first use)."""
     if settings.model is None:
-        from .gguf import ensure_model
-
         return ensure_model(settings.model_cache)
     folder = Path(settings.model)
     the_card = folder_card(folder, settings.model_cache)
@@ -129,8 +109,6 @@ class EngineFiles:
     def _bind(self, settings) -> "ModelFiles":
         """Set what every engine instance holds (settings, card, model_id, tokenizer, chunk_tokens);
         the model files, ready to load."""
-        from .tokenizer import Tokenizer
-
         files = files_for(settings)
         self.settings = settings
         self.card = self.model_card(settings)
@@ -146,8 +124,6 @@ class EngineFiles:
         return self.tokenizer.encode(text)
 
     def detokenizer(self):
-        from .tokenizer import IncrementalDetokenizer
-
         return IncrementalDetokenizer(self.tokenizer.decode)
 
     @classmethod
@@ -156,8 +132,6 @@ class EngineFiles:
 
     @classmethod
     def tokenizer(cls, settings):
-        from .tokenizer import Tokenizer
-
         return Tokenizer(files_for(settings))
 
 
@@ -166,7 +140,7 @@ def _embedded_id(folder: Path) -> Optional[str]:
     """The embedded model's identity when ``folder`` is its converted folder, under any name (a copy
     or another mount keeps the conversion's record): same identity, shipped profile."""
     try:
-        model_id = json.loads((folder / _READY).read_text())["model_id"]
+        model_id = json.loads((folder / READY).read_text())["model_id"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return model_id if isinstance(model_id, str) and model_id.startswith(f"{MODEL_NAME}@gguf-sha256:") else None
@@ -262,7 +236,7 @@ def folder_identity(folder: Path, cache_dir: os.PathLike) -> str:
             return known()
         h = hashlib.sha256()
         for f in files:
-            h.update(f.name.encode() + b"\0" + bytes.fromhex(_sha256(f)))
+            h.update(f.name.encode() + b"\0" + bytes.fromhex(sha256_file(f)))
         kind = re.sub(r"[^a-z0-9._-]+", "-", str(_read_config(folder).get("model_type") or "model").lower())
         model_id = f"{kind.strip('-._') or 'model'}@hf-sha256:{h.hexdigest()}"
         tmp = record.with_suffix(f".{os.getpid()}.tmp")
@@ -290,11 +264,3 @@ def check_config(config: dict) -> None:
                vocab_size=int(config["vocab_size"]), max_context=int(config["max_position_embeddings"]))
     if got != _SHAPE:
         raise Unsupported(f"the converted model is {got}, its card says {_SHAPE}")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

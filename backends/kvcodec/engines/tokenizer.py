@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, List, Mapping, Sequence
 
 from ..errors import ConfigError
-from .model_files import ModelFiles
+from .model_source import ModelFiles
 
 ROLES = ("system", "user", "assistant")
 

@@ -27,7 +27,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from kvcodec.engines import model_card, sampling_fields, tokenizer
+from kvcodec.engines import model_card, open_tokenizer, sampling_fields
 from kvcodec.serving.breaker import STATES
 from kvcodec.serving.costs import for_settings
 from kvcodec.serving.fetch import Fetcher
@@ -49,7 +49,7 @@ class TritonPythonModel:
     def initialize(self, args):
         self.settings = Settings.load(model_parameters(args))
         self.card = model_card(self.settings)
-        self.tokenizer = tokenizer(self.settings)  # the model's own: text_input -> the ids ingest keys
+        self.tokenizer = open_tokenizer(self.settings)  # the model's own: text_input -> the ids ingest keys
         self.honoured = sampling_fields(self.settings, self.card)  # what the llm step's engine would take
         self.store = open_for_settings(self.settings)  # one connection pool for this instance (its local tier first)
         costs = for_settings(self.settings, self.card.geometry(1).fp16_bytes)
