@@ -62,7 +62,7 @@ class _Reads:
         self.started, self.session = [], session
         self.reading = SimpleNamespace(ready=threading.Event(), session=session)
 
-    def start(self, ids):
+    def start(self, ids, salt=""):  # ReadPath.start(ids, salt)
         self.started.append(list(ids))
         return self.reading
 

@@ -60,33 +60,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from ..connector import HandOff, KVPages, Load, LoadSession, SaveJob, SchedulerCore, WorkerCore
+from ..connector import KVPages, Load, LoadSession, SaveJob, SchedulerCore, WorkerCore
 from ..connector.worker import SaveSink
 from ..format.keys import reusable_chunks
 from . import vllm_metrics
+from .vllm_engine import VllmEngine
+from .vllm_handoff import ENSEMBLE, HANDOFF, MODE_KEY, Offer
 
 log = logging.getLogger("kvcodec.vllm")
 
 
-@dataclass
-class Offer:
-    """What the ``llm`` step offers the connector for one request."""
-
-    session: Optional[LoadSession] = None  # the restored chunks of the prompt's first tokens
-    chunk_tokens: int = 256
-    save: Optional[SaveSink] = None  # receives the prompt's full chunks not served from the session
-    promised_tokens: int = 0  # filled in by the connector
-    loaded_tokens: int = 0
-    asynchronous: bool = False
-    defer: bool = False  # chunks still coming: ask again later, load once they are in (no asynchronous load)
-    load_s: float = 0.0
-    save_s: float = 0.0
-    saved_chunks: int = 0
-    own: bool = False  # made by the connector itself (standalone): it removes it when the request ends
-
-
-HANDOFF = HandOff()
-MODE_KEY = "kvcodec.offers"  # kv_connector_extra_config: "ensemble" (the llm step posts offers) or absent
 PENDING = object()  # the read's plan is not known yet: vLLM is told to ask again
 
 
@@ -163,7 +146,7 @@ def standalone_settings(vllm_config):
 
     transfer = vllm_config.kv_transfer_config
     extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
-    if extra.pop(MODE_KEY, "") == "ensemble":
+    if extra.pop(MODE_KEY, "") == ENSEMBLE:
         return None
     backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
     if backend not in ("uni", None):
@@ -236,8 +219,6 @@ class KVCodecConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             settings = standalone_settings(vllm_config)
             if settings is not None:
-                from .vllm_engine import VllmEngine
-
                 self.standalone = Standalone(settings, VllmEngine.model_card(settings))
                 self.core = SchedulerCore(int(vllm_config.cache_config.block_size), settings.chunk_tokens)
                 log.info("kvcodec connector (standalone): store %s, ladder %s, chunks of %d tokens, model %s",

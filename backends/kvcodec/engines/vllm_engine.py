@@ -53,6 +53,7 @@ from ..connector.sink import sink_for_settings
 from ..errors import BadRequest, ConfigError, Unsupported
 from . import ModelCard, StreamReport, model_files
 from .sampling import ENGINE_FIELDS, GREEDY, Sampling
+from .vllm_handoff import ENSEMBLE, HANDOFF, MODE_KEY, Offer
 
 log = logging.getLogger("kvcodec.vllm")
 
@@ -265,7 +266,7 @@ class VllmEngine(model_files.EngineFiles):
             kv_transfer_config=KVTransferConfig(kv_connector="KVCodecConnector", kv_role="kv_both",
                                                 kv_connector_module_path="kvcodec.engines.vllm_connector",
                                                 # the llm step posts each request's offer (not standalone)
-                                                kv_connector_extra_config={"kvcodec.offers": "ensemble"},
+                                                kv_connector_extra_config={MODE_KEY: ENSEMBLE},
                                                 # a chunk that fails after its tokens were promised:
                                                 # vLLM recomputes its blocks (its default fails the request)
                                                 kv_load_failure_policy="recompute"),
@@ -354,7 +355,6 @@ class VllmEngine(model_files.EngineFiles):
         compute every chunk it saves; scoring must load the KV it is given); else ``salt``, the
         request's cache salt: vLLM's prefix cache keeps tenants apart by it."""
         from ..connector import LoadSession
-        from .vllm_connector import HANDOFF, Offer
 
         request_id = f"kvc{next(self._ids)}x{uuid.uuid4().hex[:8]}"
         session = LoadSession.of(past, self.chunk_tokens) if isinstance(past, np.ndarray) else past
