@@ -56,7 +56,8 @@ from .chaos_plan import (
     schedule,
     ttft_bounds,
 )
-from .soak import QUESTION, context_ids, growth
+from .footprint import growth
+from .soak_prompts import QUESTION, context_ids
 from .stats import percentile
 
 LADDER = ("raw", DECODED_RUNG)  # the servers': raw where stored, else the decoded rung
@@ -132,7 +133,7 @@ class Prompts:
 
 
 def make_prompts(tokenizer, question: List[int], contexts: int, context_tokens: int, chunk: int) -> Prompts:
-    """Every kind's prompts from disjoint standard-library texts (``soak.context_ids``)."""
+    """Every kind's prompts from disjoint standard-library texts (``soak_prompts.context_ids``)."""
     ids, kind, churn, first = {}, {}, {}, {}
     for i in range(contexts):
         ctx = context_ids(tokenizer, context_tokens, i)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
 import time
 from collections import defaultdict
@@ -39,19 +38,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .bench import SOURCES
 from .cli import DEFAULT_REPOSITORY, PLOT_HELP, REPO_ROOT, _list, _settings, common
+from .footprint import RSS_GROWTH_LIMIT, flatness, growth, windows
 from .procstats import sample_tree
+from .soak_prompts import QUESTION, context_ids
 from .stats import percentile
-from .texts import cut_to_tokens, stdlib_text
 
-QUESTION = "\n\n# Question: what does the code above do?\n# Answer:"
 RUNGS = ("raw", "int8-zstd")
 # mode -> (reuse, codecs): reuse off; the server's ladder (raw first, static); pinned to int8-zstd
 MODES: Dict[str, Tuple[bool, Optional[str]]] = {"prefill": (False, None), "raw": (True, None),
                                                 "int8-zstd": (True, "int8-zstd")}
-RSS_GROWTH_LIMIT = 0.05  # of the first window's median RSS
-GROWTH_KEYS = ("rss_bytes", "shm_bytes", "fds", "processes")
 
 
 @dataclass
@@ -76,45 +72,6 @@ class SoakConfig:
             raise ValueError(f"protocols must be grpc and/or http, got {','.join(self.protocols)}")
         if self.duration_s <= 0 or self.sample_s <= 0 or self.window_s <= 0 or self.warmup_s < 0:
             raise ValueError("duration_s, sample_s and window_s must be > 0, warmup_s >= 0")
-
-
-# -- growth and the flatness rule (pure) ---------------------------------------------------------
-def windows(samples: Sequence[dict], warmup_s: float, window_s: float) -> Tuple[List[dict], List[dict]]:
-    """The samples of the first window after the warm-up, [warmup_s, warmup_s + window_s), and of
-    the last window, the last ``window_s`` seconds up to the last sample."""
-    if not samples:
-        return [], []
-    end = max(s["t_s"] for s in samples)
-    first = [s for s in samples if warmup_s <= s["t_s"] < warmup_s + window_s]
-    last = [s for s in samples if s["t_s"] > end - window_s and s["t_s"] >= warmup_s + window_s]
-    return first, last
-
-
-def growth(samples: Sequence[dict], warmup_s: float, window_s: float,
-           keys: Sequence[str] = GROWTH_KEYS) -> Tuple[Dict[str, Optional[float]], Dict[str, Optional[float]]]:
-    """({key: last window's median - first window's median}, {key: first window's median}); None
-    for every key when a window has no sample (the run was too short for both)."""
-    first, last = windows(samples, warmup_s, window_s)
-    if not first or not last:
-        return {k: None for k in keys}, {k: None for k in keys}
-    base = {k: statistics.median(s[k] for s in first) for k in keys}
-    return {k: statistics.median(s[k] for s in last) - base[k] for k in keys}, base
-
-
-def flatness(grown: Dict[str, Optional[float]], base: Dict[str, Optional[float]],
-             rss_limit: float = RSS_GROWTH_LIMIT) -> Tuple[bool, List[str]]:
-    """(flat, why not): RSS growth under ``rss_limit`` of its first median, no growth of fds,
-    processes and shm."""
-    why = []
-    if any(grown.get(k) is None for k in GROWTH_KEYS):
-        return False, ["too short: no samples in the first or the last window"]
-    if grown["rss_bytes"] >= rss_limit * max(base["rss_bytes"], 1):
-        why.append(f"RSS grew {grown['rss_bytes'] / 2**20:.1f} MiB "
-                   f"({100 * grown['rss_bytes'] / max(base['rss_bytes'], 1):.1f}% >= {100 * rss_limit:g}%)")
-    for key in ("fds", "processes", "shm_bytes"):
-        if grown[key] > 0:
-            why.append(f"{key} grew by {grown[key]:g}")
-    return not why, why
 
 
 # -- the load (pure parts) -----------------------------------------------------------------------
@@ -207,11 +164,6 @@ def plot(samples: Sequence[dict], path: Path, config: SoakConfig, title: str = "
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def context_ids(tokenizer, tokens: int, index: int) -> List[int]:
-    """Whole lines of a standard-library module, just over ``tokens`` tokens (module ``index``)."""
-    return tokenizer.encode(cut_to_tokens(tokenizer, stdlib_text(SOURCES[index % len(SOURCES)]), tokens))
 
 
 # -- the run -------------------------------------------------------------------------------------
