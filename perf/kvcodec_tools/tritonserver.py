@@ -52,6 +52,7 @@ from kvcodec.settings import Settings
 from kvcodec_tools.cli import DEFAULT_REPOSITORY, _settings, _store_down, common
 from kvcodec_tools.health import Health, serve_health
 from kvcodec_tools.procs import Process
+from kvcodec_tools.stubs import STUB, Stub, children, read_stub, stubs_of  # noqa: F401  (this module's names too)
 
 MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
 # Triton's APIs that change or expose the server (load and unload models, shared memory, tracing,
@@ -59,28 +60,6 @@ MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
 # metadata, model config and statistics stay open. Checked on tritonserver 2.51 (403 without it).
 RESTRICTED = "model-repository,shared-memory,trace,logging"
 ADMIN_HEADER = "kvcodec-admin"
-STUB = "triton_python_backend_stub"
-
-
-@dataclass(frozen=True)
-class Stub:
-    """One python backend stub process. A live stub runs as ``triton_python_backend_stub MODEL.py
-    REGION DEFAULT_SIZE GROWTH PARENT_PID BACKEND_DIR IPC_HANDLE INSTANCE_NAME RUNTIME``; a zombie
-    has no command line left (``model_path`` and ``instance`` are then "")."""
-    pid: int
-    state: str  # proc(5)'s state letter: R, S, D, ... ; Z for a zombie
-    model_path: str = ""
-    instance: str = ""
-
-    @property
-    def zombie(self) -> bool:
-        return self.state == "Z"
-
-    @property
-    def model(self) -> str:
-        """The model's name: the folder above the version folder of its ``model.py`` ("" if unknown)."""
-        parts = Path(self.model_path).parts
-        return parts[-3] if len(parts) >= 3 else ""
 
 
 @dataclass(frozen=True)
@@ -128,45 +107,6 @@ def prepare_backends(target: Path) -> Path:
         if not dst.exists() or dst.stat().st_size != src.stat().st_size:
             shutil.copy2(src, dst)
     return target
-
-
-def _stat(pid: int) -> List[str]:
-    """``/proc/PID/stat`` as [comm, state, ppid, ...] (OSError if the process is gone)."""
-    head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
-    return [head.partition("(")[2], *rest.split()]
-
-
-def children(pid: int) -> List[int]:
-    """The PIDs whose parent is ``pid``, zombies included, from one pass over /proc."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if int(_stat(int(name))[2]) == pid:
-                    out.append(int(name))
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-    return sorted(out)
-
-
-def read_stub(pid: int) -> Optional[Stub]:
-    """``pid`` as a ``Stub``, or None if it is gone or runs something else. A zombie is recognised
-    by its name (the kernel keeps the first 15 characters of the stub's name)."""
-    try:
-        comm, state = _stat(pid)[:2]
-        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-    except (OSError, ValueError):
-        return None
-    if argv and Path(argv[0]).name == STUB:
-        return Stub(pid, state, argv[1] if len(argv) > 1 else "", argv[8] if len(argv) > 8 else "")
-    if not argv and state == "Z" and comm == STUB[:15]:
-        return Stub(pid, state)
-    return None
-
-
-def stubs_of(pid: int) -> List[Stub]:
-    """The python backend stubs among ``pid``'s children, zombies included."""
-    return [stub for stub in map(read_stub, children(pid)) if stub is not None]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional
 
-from kvcodec_tools.tritonserver import Stub
+from kvcodec_tools.stubs import Stub
 
 log = logging.getLogger("kvcodec.watchdog")
 
