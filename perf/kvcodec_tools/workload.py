@@ -327,6 +327,7 @@ def _label(row: dict) -> str:
 def plot(rows: Sequence[dict], path: Path, log: Callable[[str], None] = print) -> None:
     """Long-doc-qa: warm-up and query mean TTFT per row; multi-round: mean TTFT per turn per row."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -350,6 +351,7 @@ def plot(rows: Sequence[dict], path: Path, log: Callable[[str], None] = print) -
     for row in chats:
         turns = sorted(row.get("ttft_by_turn", {}), key=int)
         ax.plot([int(k) for k in turns], [row["ttft_by_turn"][k] for k in turns], marker="o", label=_label(row))
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("turn")
     ax.set_ylabel("mean TTFT (s)")
     ax.set_title("multi-round: TTFT by turn")
