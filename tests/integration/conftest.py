@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -132,3 +133,27 @@ def post(server, endpoint: str, body: dict):
     if endpoint == "generate":
         return status, json.loads(raw)
     return status, [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")]
+
+
+def key_file(path: Path, secret: bytes) -> Path:
+    """A chunk key file holding ``secret`` (hex, mode 0600, as ``format.auth`` requires)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(secret.hex() + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a ``kvcodec serve`` that is still running, and the process groups it leads
+    (tritonserver leads one of its own)."""
+    if proc.poll() is not None:
+        return
+    from kvcodec_tools.tritonserver import children
+
+    for child in children(proc.pid):
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -17,7 +17,7 @@ import pytest
 
 from kvcodec_client import KVCodecClient
 
-from .conftest import KVCODEC, REPO, free_ports, ingest_text, text_of
+from .conftest import KVCODEC, REPO, free_ports, ingest_text, kill_tree, text_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -185,14 +185,7 @@ def test_serves_health_follows_a_dead_stub_through_the_watchdogs_restart(setting
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, rest
     finally:
-        if proc.poll() is None:
-            for child in children(proc.pid):
-                try:
-                    os.killpg(child, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_tree(proc)
 
 
 def _health_reasons(seen: list) -> str:

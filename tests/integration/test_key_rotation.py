@@ -4,7 +4,6 @@ server with B and previous A reuses them (the model's own tokens), counts them b
 them in the store; after that a server with B alone reuses them too."""
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 
@@ -13,17 +12,10 @@ from kvcodec.format.auth import ChunkAuth
 from kvcodec_client import KVCodecClient
 from kvcodec_tools.tritonserver import Ports, TritonServer
 
-from .conftest import REPO, chunk_path, cli, free_ports, metric_values, text_of
+from .conftest import REPO, chunk_path, cli, free_ports, key_file, metric_values, text_of
 
 QUESTION = "\n\n# Question: what does this module do?\n# Answer:"
 A, B = bytes(range(32)), bytes(range(100, 132))
-
-
-def _key_file(path, secret: bytes):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(secret.hex() + "\n")
-    os.chmod(path, 0o600)
-    return path
 
 
 def _ask(settings, ids):
@@ -37,7 +29,7 @@ def _ask(settings, ids):
 
 def test_rotation_keeps_reuse_and_re_signs(settings, tokenizer, tmp_path):
     home = tmp_path / "rotation"
-    _key_file(home / "chunk.key", A)  # ingest signs with A (the home's key file)
+    key_file(home / "chunk.key", A)  # ingest signs with A (the home's key file)
     base = replace(settings, home=home, store=f"file://{home / 'store'}", key_file=home / "chunk.key",
                    ladder=("int8-zstd",), adaptive=False, writeback=())
     text = text_of(tokenizer, "calendar.py", 540)
@@ -45,8 +37,8 @@ def test_rotation_keeps_reuse_and_re_signs(settings, tokenizer, tmp_path):
     cli(base, "ingest", "--text-file", str(home / "context.txt"), "--codec", "int8-zstd", "--json", "--quiet")
     ids = tokenizer.encode(text + QUESTION)
     chunks = [chunk_path(base, ids, i, "int8-zstd") for i in range(2)]
-    b_alone = replace(base, key_file=_key_file(tmp_path / "b.key", B))
-    rotating = replace(b_alone, key_file_previous=_key_file(tmp_path / "a.key", A))
+    b_alone = replace(base, key_file=key_file(tmp_path / "b.key", B))
+    rotating = replace(b_alone, key_file_previous=key_file(tmp_path / "a.key", A))
 
     before, _, _ = _ask(b_alone, ids)  # B alone, before the rotation: A's chunks are foreign
     assert before.reused_tokens == 0 and "foreign" in before.stats["miss_reason"]

@@ -12,7 +12,7 @@ import pytest
 
 from kvcodec_tools.tritonserver import children, stubs_of
 
-from .conftest import KVCODEC, free_ports
+from .conftest import KVCODEC, free_ports, kill_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -45,14 +45,7 @@ def test_serve_starts_and_stops_cleanly(settings, tmp_path, signum):
         with pytest.raises(ProcessLookupError):
             os.killpg(proc.pid, 0)  # the server and its model stubs are gone
     finally:
-        if proc.poll() is None:
-            for server in children(proc.pid):  # tritonserver leads a process group of its own
-                try:
-                    os.killpg(server, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_tree(proc)
 
 
 def _ready(http: int) -> bool:

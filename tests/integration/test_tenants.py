@@ -8,7 +8,6 @@ cold start), re-encrypting them under the new key."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import replace
 
@@ -21,19 +20,12 @@ from kvcodec.format.keys import tenant_id
 from kvcodec_client import KVCodecClient
 from kvcodec_tools.tritonserver import Ports, TritonServer
 
-from .conftest import REPO, chunk_path, cli, free_ports, post, text_of
+from .conftest import REPO, chunk_path, cli, free_ports, key_file, post, text_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 QUESTION = "\n\n# Question: what does this module do?\n# Answer:"
 A, B = bytes(range(32)), bytes(range(100, 132))
-
-
-def _key_file(path, secret: bytes):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(secret.hex() + "\n")
-    os.chmod(path, 0o600)
-    return path
 
 
 def _salted_paths(settings, ids, salt: str, rung: str, n: int):
@@ -48,7 +40,7 @@ def _salted_paths(settings, ids, salt: str, rung: str, n: int):
 
 def test_tenants_reuse_only_their_own_encrypted_chunks_over_grpc_and_http(settings, tokenizer, tmp_path, monkeypatch):
     home = tmp_path / "tenants"
-    _key_file(home / "chunk.key", A)
+    key_file(home / "chunk.key", A)
     base = replace(settings, home=home, store=f"file://{home / 'store'}", key_file=home / "chunk.key",
                    ladder=("int8-zstd", "raw"), adaptive=False, writeback=(), encrypt_chunks=True)
     text = text_of(tokenizer, "calendar.py", 540)
@@ -92,8 +84,8 @@ def test_tenants_reuse_only_their_own_encrypted_chunks_over_grpc_and_http(settin
         assert status == 400 and "cache_salt" in json.dumps(answer), answer
 
     # (d) the key rotates: B signs and encrypts, A (previous) decrypts and verifies; no cold start
-    rotating = replace(base, key_file=_key_file(tmp_path / "b.key", B),
-                       key_file_previous=_key_file(tmp_path / "a.key", A))
+    rotating = replace(base, key_file=key_file(tmp_path / "b.key", B),
+                       key_file_previous=key_file(tmp_path / "a.key", A))
     with TritonServer(REPO / "model_repository", rotating, Ports(*free_ports(3))) as server:
         during = KVCodecClient(server.grpc_url, "grpc").generate(ids, 4, cache_salt="tenant-a", codecs="int8-zstd")
         assert during.reused_tokens == 512 and during.stats["signers"] == {"previous": 2}, during.stats
