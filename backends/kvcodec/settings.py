@@ -23,6 +23,7 @@ name the field and the value.
 | link_mbps     | KVCODEC_LINK_MBPS      | 1000: the link rate assumed before one is measured |
 | deadline_s    | KVCODEC_DEADLINE_S     | 0: fastest rungs; > 0: best quality that meets this fetch deadline |
 | key_file      | KVCODEC_KEY_FILE       | ``<home>/chunk.key``: the chunk signing key (2) |
+| trtllm_overlap_scheduler | KVCODEC_TRTLLM_OVERLAP_SCHEDULER | 0: the ``trtllm`` engine runs TensorRT-LLM with ``disable_overlap_scheduler`` (a failed KV load fails that step's requests and the executor goes on); 1: TensorRT-LLM's overlap scheduler (faster; in 1.2 a failed load then ends its executor: docs/deploy-trtllm.md) |
 | trtllm_kv_fraction | KVCODEC_TRTLLM_KV_FRACTION | 0.6: the ``trtllm`` engine's KV pool, as a share of the GPU memory free after its weights (TensorRT-LLM's ``free_gpu_memory_fraction``; its own default, 0.9, leaves too little for the stage and the other steps: docs/deploy-trtllm.md, "GPU memory") |
 | encrypt_chunks | KVCODEC_ENCRYPT_CHUNKS | 0: chunks are signed, stored in the clear; 1: every chunk this process writes is encrypted (AES-256-GCM, a key per tenant derived from the chunk key) (10) |
 | key_file_previous | KVCODEC_KEY_FILE_PREVIOUS | empty; else a file of previous keys (hex, mode 0600) that verify but never sign: chunks they signed are used and re-signed with the current key (8) |
@@ -122,6 +123,7 @@ class Settings:
     local_store_mb: int = 1024  # what the local store may hold
     encrypt_chunks: bool = False  # chunks written are encrypted per tenant (format.auth)
     trtllm_kv_fraction: float = 0.6  # the trtllm engine's free_gpu_memory_fraction
+    trtllm_overlap_scheduler: bool = False  # TensorRT-LLM's overlap scheduler (off: a failed load is survived)
     vllm_engine_args: str = ""  # a JSON object of vLLM EngineArgs (kvcodec.engines.vllm_engine.engine_args)
 
     @classmethod
@@ -192,6 +194,7 @@ class Settings:
         local_store_mb = _int("local_store_mb", raw("local_store_mb") or "1024", minimum=1)
         encrypt_chunks = _bool("encrypt_chunks", raw("encrypt_chunks") or "0")
         trtllm_kv_fraction = _float("trtllm_kv_fraction", raw("trtllm_kv_fraction") or "0.6", minimum=0.01)
+        trtllm_overlap_scheduler = _bool("trtllm_overlap_scheduler", raw("trtllm_overlap_scheduler") or "0")
         if trtllm_kv_fraction >= 1.0:
             raise ConfigError(f"trtllm_kv_fraction must be below 1, got {trtllm_kv_fraction}")
         vllm_engine_args = _json_object("vllm_engine_args", raw("vllm_engine_args") or "")
@@ -208,6 +211,7 @@ class Settings:
                    exclude_input_in_output=exclude_input_in_output, prefix_cache=prefix_cache,
                    key_file_previous=key_file_previous, local_store=local_store, local_store_mb=local_store_mb,
                    encrypt_chunks=encrypt_chunks, trtllm_kv_fraction=trtllm_kv_fraction,
+                   trtllm_overlap_scheduler=trtllm_overlap_scheduler,
                    vllm_engine_args=vllm_engine_args)
 
     def environ(self) -> dict:
@@ -245,6 +249,7 @@ class Settings:
             "KVCODEC_LOCAL_STORE_MB": str(self.local_store_mb),
             "KVCODEC_ENCRYPT_CHUNKS": "1" if self.encrypt_chunks else "0",
             "KVCODEC_TRTLLM_KV_FRACTION": repr(self.trtllm_kv_fraction),
+            "KVCODEC_TRTLLM_OVERLAP_SCHEDULER": "1" if self.trtllm_overlap_scheduler else "0",
             "KVCODEC_VLLM_ENGINE_ARGS": self.vllm_engine_args,
         }
 

@@ -50,9 +50,7 @@ def plan(model: str, home: Path, check: str, overlap: bool = True) -> Dict[str, 
     settings = Settings.load({"home": str(home), "model": model, "store": f"file://{home / 'store'}",
                               "ladder": "raw", "writeback": "raw", "chunk_tokens": str(CHUNK)}, env={})
     card = TrtllmEngine.model_card(settings)
-    args = llm_arguments(model, BLOCK, settings.trtllm_kv_fraction)
-    if not overlap:
-        args["disable_overlap_scheduler"] = True
+    args = llm_arguments(model, BLOCK, settings.trtllm_kv_fraction, overlap=overlap)
     return {"args": args, "connector": connector_settings(settings, card, prefetch=check == "concurrent"),
             "card": card}
 

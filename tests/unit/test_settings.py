@@ -132,7 +132,7 @@ def test_environ_round_trips_through_load(tmp_path):
                          "STREAM_LOADS", "ASYNC_LOADS", "STEP_TOKENS", "PREFILL_SLICE", "ENTROPY",
                          "WRITEBACK_PENDING", "EXCLUDE_INPUT_IN_OUTPUT", "PREFIX_CACHE", "KEY_FILE_PREVIOUS",
                              "LOCAL_STORE", "LOCAL_STORE_MB", "ENCRYPT_CHUNKS",
-                             "TRTLLM_KV_FRACTION", "VLLM_ENGINE_ARGS")}
+                             "TRTLLM_KV_FRACTION", "TRTLLM_OVERLAP_SCHEDULER", "VLLM_ENGINE_ARGS")}
     assert all(isinstance(v, str) for v in env.values())
     assert Settings.load(env=env) == s
     defaults = Settings.load(env={"KVCODEC_HOME": str(tmp_path)})

@@ -15,6 +15,7 @@ import importlib
 import sys
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -282,3 +283,19 @@ def test_a_salted_request_is_staged_under_the_salt_tensorrt_llm_carries(engine):
     report = StreamReport()
     list(engine.stream(ids, 2, report=report))  # unsalted: nothing of tenant a's was left for it
     assert report.reused_tokens == 0
+
+
+def test_tensorrt_llm_runs_without_the_overlap_scheduler_unless_asked(engine, fake_trtllm, tmp_path):
+    """1.2's ``_executor_loop_overlap`` ends after a failed forward (``assert sample_state is not None``,
+    outside any ``try``; TensorRT-LLM #17913), ``_executor_loop`` goes on: the engine and the llmapi
+    model.yaml disable the overlap scheduler unless ``trtllm_overlap_scheduler`` says otherwise."""
+    from kvcodec.engines.trtllm_engine import TrtllmEngine, llm_arguments
+
+    assert FakeLLM.instances[-1].args["disable_overlap_scheduler"] is True
+    assert llm_arguments("m")["disable_overlap_scheduler"] is True
+    settings = replace(engine.settings, trtllm_overlap_scheduler=True, home=tmp_path / "overlap")
+    other = TrtllmEngine(settings)
+    try:
+        assert FakeLLM.instances[-1].args["disable_overlap_scheduler"] is False
+    finally:
+        other.close()

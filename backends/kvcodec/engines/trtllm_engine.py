@@ -54,12 +54,16 @@ CONNECTOR_MODULE = "kvcodec.engines.trtllm_connector"
 DEFAULT_KV_FRACTION = 0.6  # Settings.trtllm_kv_fraction's default (TensorRT-LLM's own is 0.9)
 
 
-def llm_arguments(model: str, tokens_per_block: int = 32, kv_fraction: float = DEFAULT_KV_FRACTION) -> Dict[str, Any]:
+def llm_arguments(model: str, tokens_per_block: int = 32, kv_fraction: float = DEFAULT_KV_FRACTION,
+                  overlap: bool = False) -> Dict[str, Any]:
     """``LLM(**arguments)``: what the connector needs of TensorRT-LLM (also ``model.yaml`` of the stock
     deployment, by ``kvcodec repository``). ``kv_fraction``: ``kv_cache_config.free_gpu_memory_fraction``,
     the share of the GPU memory free after the weights (and TensorRT-LLM's activation estimate) that its
     KV pool takes; the rest is what the stage, ``to_pool``'s transit copies and the other processes on
-    the GPU (kv_decode, kv_restore) may grow into (docs/deploy-trtllm.md, "GPU memory")."""
+    the GPU (kv_decode, kv_restore) may grow into (docs/deploy-trtllm.md, "GPU memory"). ``overlap``:
+    TensorRT-LLM's overlap scheduler; off by default (``disable_overlap_scheduler``), since in 1.2 only
+    ``_executor_loop`` survives a failed KV load (the overlap loop's ``assert sample_state is not
+    None`` after a failed forward ends the executor: TensorRT-LLM issue #17913; docs/deploy-trtllm.md)."""
     if tokens_per_block <= 0:
         raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
     if not 0.0 < kv_fraction < 1.0:
@@ -74,6 +78,7 @@ def llm_arguments(model: str, tokens_per_block: int = 32, kv_fraction: float = D
         "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": tokens_per_block,
                             "free_gpu_memory_fraction": float(kv_fraction)},
         "scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"},
+        "disable_overlap_scheduler": not overlap,
         "kv_connector_config": {"connector_module": CONNECTOR_MODULE,
                                 "connector_scheduler_class": "KVCodecScheduler",
                                 "connector_worker_class": "KVCodecWorker"},
@@ -122,7 +127,8 @@ class TrtllmEngine(model_files.EngineFiles):
         os.environ[CONFIG_ENV] = str(config)
         # Settings.trtllm_kv_fraction; read by name so a Settings without it (older) keeps the default
         kv_fraction = getattr(settings, "trtllm_kv_fraction", DEFAULT_KV_FRACTION)
-        args = llm_arguments(str(files.path), tokens_per_block, kv_fraction)
+        args = llm_arguments(str(files.path), tokens_per_block, kv_fraction,
+                             overlap=getattr(settings, "trtllm_overlap_scheduler", False))
         args["kv_connector_config"] = KvCacheConnectorConfig(**args["kv_connector_config"])
         self._llm = LLM(**args)
 
