@@ -71,9 +71,7 @@ def test_no_top_level_package_is_named_perf():
 # -- no import circles -------------------------------------------------------------------------------
 PACKAGES = {"kvcodec": LIBRARY, "kvcodec_tools": LIBRARY.parents[1] / "perf" / "kvcodec_tools"}
 # Circles known and not yet broken, each with its reason; the test fails once one is gone (drop it here).
-# store.capacity asks whether a store is a TieredStore (it lists the remote tier) and TieredStore runs
-# capacity.gc on its local tier: store/capacity.py is being changed by another hand (issue 45).
-KNOWN_CIRCLES = {frozenset({"kvcodec.store.capacity", "kvcodec.store.tiered"})}
+KNOWN_CIRCLES: set = set()
 
 
 def _project_modules() -> dict:

@@ -31,7 +31,8 @@ def _store_classes() -> dict:
             if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "KVStore" for b in node.bases):
                 module = __import__(f"kvcodec.store.{path.stem}", fromlist=[node.name])
                 for cls in [getattr(module, node.name)] + getattr(module, node.name).__subclasses__():
-                    if not cls.__name__.startswith("_"):
+                    # the store package's own (a test's subclass, imported earlier in the run, is not)
+                    if not cls.__name__.startswith("_") and cls.__module__.startswith("kvcodec.store."):
                         classes[f"{cls.__module__}.{cls.__name__}"] = cls
     return classes
 

@@ -102,10 +102,9 @@ def _each(store: KVStore, keys: List[str], fn) -> dict:
 
 
 def _listed(store: KVStore) -> KVStore:
-    """The store whose listing ``scan`` gives (a local tier lists its remote store)."""
-    from .tiered import TieredStore
-
-    return store.remote if isinstance(store, TieredStore) else store
+    """The store whose listing ``scan`` gives: a local tier (``store.tiered``, which imports this
+    module) lists its ``remote`` store; any other store its own."""
+    return getattr(store, "remote", None) or store
 
 
 def tracks_use(store: KVStore) -> bool:
