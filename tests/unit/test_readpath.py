@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcodec.compose import open_reads
 from kvcodec.engines import open_engine, open_tokenizer
 from kvcodec.engines.gguf import ensure_model
 from kvcodec.serving.readpath import ReadPath
@@ -42,7 +43,7 @@ def written(tmp_path_factory):
 
 def test_a_stored_prefix_streams_into_the_requests_session(written):
     settings, card, store, ids, own = written
-    path = ReadPath(settings, card, store=store)
+    path = ReadPath(open_reads(settings, card, store=store))
     try:
         reading = path.start(ids)
         assert reading.ready.wait(60) and reading.session is not None
@@ -57,7 +58,7 @@ def test_a_stored_prefix_streams_into_the_requests_session(written):
 
 def test_nothing_stored_reads_nothing_and_says_why(written):
     settings, card, store, ids, _ = written
-    path = ReadPath(settings, card, store=store)
+    path = ReadPath(open_reads(settings, card, store=store))
     try:
         reading = path.start([7] * 600)
         assert reading.ready.wait(60) and reading.done.wait(60)
@@ -76,7 +77,7 @@ def test_a_damaged_chunk_ends_the_usable_prefix_before_it(written):
     damaged = bytearray(original)
     damaged[len(damaged) // 2] ^= 0xFF
     store.put(key, bytes(damaged), overwrite=True)
-    path = ReadPath(settings, card, store=store)
+    path = ReadPath(open_reads(settings, card, store=store))
     try:
         reading = path.start(ids)
         assert reading.done.wait(60) and reading.session.wait_settled(10)
@@ -100,7 +101,7 @@ def test_reads_at_once_each_get_the_same_exact_chunks(tmp_path):
         ids = open_tokenizer(settings).encode("def g(y):\n    return y + 1\n" * 200)[:1100]
         list(engine.stream(ids, 1))
         assert engine.writeback.flush(60) and engine.writeback_stats()["written"] == 4
-        path = ReadPath(settings, engine.card, store=engine.writeback.saver.store, workers=4)
+        path = ReadPath(open_reads(settings, engine.card, store=engine.writeback.saver.store), workers=4)
         inside, most = [0], [0]
         real_run = path.decode.run
 

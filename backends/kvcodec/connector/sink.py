@@ -15,8 +15,8 @@
   refused by the store's create), ``flush(timeout_s)``, ``close(timeout_s=30)`` (also closes the
   store when the sink opened it).
 
-``open_sink(store_url, card, rungs, chunk_tokens, auth, max_pending=8)`` makes one from settings;
-None when ``rungs`` is empty (write-back off); ``sink_for_settings(settings, card)`` from ``Settings``.
+``open_sink(store_url, card, rungs, chunk_tokens, auth, max_pending=8)`` makes one; None when
+``rungs`` is empty (write-back off). From ``Settings``: ``kvcodec.compose.open_writes``.
 """
 from __future__ import annotations
 
@@ -139,16 +139,3 @@ def open_sink(store, card, rungs: Sequence[str], chunk_tokens: int, auth, max_pe
     saver = ChunkSaver(store, card.model_id, parse_ladder(list(rungs), card), chunk_tokens, auth=auth,
                        observe=costs.observe_rung if costs is not None else None)
     return WriteBackSink(saver, max_pending=max_pending, owns_store=owns, corrupt=corrupt, name=name)
-
-
-def sink_for_settings(settings, card) -> Optional[WriteBackSink]:
-    """The write-back sink an engine serving ``settings`` uses (``writeback`` rungs; None when off)."""
-    from ..format.auth import auth_for
-    from ..serving.costs import for_settings
-    from ..store.tiered import open_for_settings
-
-    if not settings.writeback:
-        return None
-    # behind the local tier when there is one: a chunk written back is read from this machine next
-    return open_sink(open_for_settings(settings), card, settings.writeback, settings.chunk_tokens, auth_for(settings),
-                     max_pending=settings.writeback_pending, costs=for_settings(settings, 0.0), owns=True)

@@ -42,10 +42,10 @@ class TransformersEngine(model_files.EngineFiles):
 
     @classmethod
     def from_settings(cls, settings, device: str = "cpu") -> "TransformersEngine":
-        from ..connector.sink import sink_for_settings
+        from ..compose import open_writes
 
         engine = cls(model_files.files_for(settings), threads=settings.threads or None, device=device)
-        engine.writeback = sink_for_settings(settings, cls.model_card(settings))
+        engine.writeback = open_writes(settings, cls.model_card(settings))
         return engine
 
     def __init__(self, files: ModelFiles, threads: Optional[int] = None, device: str = "cpu") -> None:

@@ -27,11 +27,16 @@ reach them. So the connector reads a JSON file named by ``TRTLLM_KVCODEC_CONFIG`
 | stage_bytes     | restored KV staged on the pool's device, outside TensorRT-LLM's pool        |
 |                 | (``free_gpu_memory_fraction``), at most (1 GiB); least recently used goes   |
 | model           | the model card (``engines.ModelCard`` fields; required)                     |
+| encrypt_chunks, local_store, local_store_mb, key_file_previous, adaptive, link_mbps, deadline_s |
+|                 | as the settings of those names (``kvcodec.settings``)                       |
 
 Values are checked as ``kvcodec.settings.Settings`` checks them (the same messages); unknown keys
 are errors that name them. The ``model_id`` is bound into every chunk key: give TensorRT-LLM's KV
 an identity of its own (the weights' identity plus ``/trtllm-<kv dtype>``), as the vLLM engine does,
 since engines differ in the last bits. ``kv_dtype`` is the dtype the ``raw`` rung stores.
+``TrtllmConfig.to_settings()`` is the ``Settings`` the connector reads and writes with: its reads and
+writes are built by ``kvcodec.compose`` as every other deployment's (local tier, breaker, re-signing,
+write-back pricing).
 
 Without ``TRTLLM_KVCODEC_CONFIG``, ``Settings.load()`` (``KVCODEC_*``) gives the rest and the model is
 the project's own (``model_files``, identity suffixed ``/trtllm-float16``): useful where the
@@ -57,7 +62,8 @@ from . import ModelCard
 CONFIG_ENV = "TRTLLM_KVCODEC_CONFIG"
 CHUNK_KEY_ENV = "TRTLLM_KVCODEC_CHUNK_KEY"
 _SETTINGS_KEYS = ("store", "ladder", "chunk_tokens", "writeback", "key_file", "home", "decoder", "threads",
-                  "fetch_timeout_s", "encrypt_chunks")
+                  "fetch_timeout_s", "encrypt_chunks", "local_store", "local_store_mb", "key_file_previous",
+                  "adaptive", "link_mbps", "deadline_s")
 _KEYS = _SETTINGS_KEYS + ("max_pending", "prefetch", "stage_bytes", "model")
 
 
@@ -76,6 +82,20 @@ class TrtllmConfig:
     prefetch: bool = True
     stage_bytes: int = 1 << 30
     encrypt_chunks: bool = False  # chunks written back are encrypted per tenant (format.auth)
+    settings: Optional[Settings] = None  # the Settings it was made from (from_settings / from_mapping)
+
+    def to_settings(self) -> Settings:
+        """The ``Settings`` these are (the ones it was made from, else its fields over the defaults,
+        ``home`` beside the key file): what ``kvcodec.compose`` builds the reads and writes from."""
+        if self.settings is not None:
+            return self.settings
+        return Settings.load({"home": str(Path(self.key_file).parent), "store": self.store,
+                              "ladder": ",".join(self.ladder), "chunk_tokens": str(self.chunk_tokens),
+                              "writeback": ",".join(self.writeback) or "off", "key_file": str(self.key_file),
+                              "decoder": self.decoder, "threads": str(self.threads),
+                              "fetch_timeout_s": repr(self.fetch_timeout_s),
+                              "writeback_pending": str(self.max_pending),
+                              "encrypt_chunks": "1" if self.encrypt_chunks else "0"}, env={})
 
     def auth(self, env: Optional[Mapping[str, str]] = None) -> ChunkAuth:
         env = os.environ if env is None else env
@@ -134,7 +154,8 @@ def from_mapping(data: Mapping[str, Any], where: str = "config") -> TrtllmConfig
     stage_bytes = data.get("stage_bytes", 1 << 30)
     if not isinstance(stage_bytes, int) or isinstance(stage_bytes, bool) or stage_bytes < 1:
         raise ConfigError(f"{where}: stage_bytes must be an integer >= 1, got {stage_bytes!r}")
-    return replace(from_settings(settings, card), max_pending=max_pending, prefetch=prefetch, stage_bytes=stage_bytes)
+    settings = replace(settings, writeback_pending=max_pending)
+    return replace(from_settings(settings, card), prefetch=prefetch, stage_bytes=stage_bytes)
 
 
 def from_settings(settings: Settings, card: ModelCard) -> TrtllmConfig:
@@ -142,7 +163,7 @@ def from_settings(settings: Settings, card: ModelCard) -> TrtllmConfig:
                         chunk_tokens=settings.chunk_tokens, writeback=tuple(settings.writeback),
                         key_file=settings.key_file, decoder=settings.decoder, threads=max(1, settings.threads),
                         fetch_timeout_s=settings.fetch_timeout_s, max_pending=settings.writeback_pending,
-                        encrypt_chunks=settings.encrypt_chunks)
+                        encrypt_chunks=settings.encrypt_chunks, settings=settings)
 
 
 def load_config(env: Optional[Mapping[str, str]] = None) -> TrtllmConfig:

@@ -91,7 +91,8 @@ def connector_settings(settings, card: ModelCard, prefetch: bool) -> Dict[str, A
             "writeback": list(settings.writeback) or "off", "key_file": str(settings.key_file),
             "decoder": settings.decoder, "threads": max(1, settings.threads),
             "fetch_timeout_s": settings.fetch_timeout_s, "prefetch": prefetch, "model": asdict(card),
-            "max_pending": settings.writeback_pending, "encrypt_chunks": settings.encrypt_chunks}
+            "max_pending": settings.writeback_pending, "encrypt_chunks": settings.encrypt_chunks,
+            "home": str(settings.home), "local_store": settings.local_store, "local_store_mb": settings.local_store_mb}
 
 
 class TrtllmEngine(model_files.EngineFiles):

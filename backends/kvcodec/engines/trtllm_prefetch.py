@@ -19,9 +19,8 @@ from typing import List, Sequence, Set, Tuple
 from ..errors import KVCodecError
 from ..format.keys import reusable_chunks
 from ..format.ladder import rung_name
-from ..serving.fetch import Fetcher, Plan
-from ..serving.reader import ChunkReader, ChunkRef
-from ..store import KVStore
+from ..serving.fetch import Plan
+from ..serving.reader import ChunkRef
 from .trtllm_config import TrtllmConfig
 from .trtllm_shared import Shared, to_pool
 
@@ -35,12 +34,11 @@ def ref_of(plan: Plan, index: int) -> ChunkRef:
 
 
 class Prefetcher:
-    def __init__(self, cfg: TrtllmConfig, store: KVStore, shared: Shared) -> None:
+    def __init__(self, cfg: TrtllmConfig, reads, shared: Shared) -> None:
+        """``reads``: the scheduler's ``kvcodec.compose.Reads`` (its fetcher plans, its reader reads)."""
         self.cfg, self.shared = cfg, shared
-        self.fetcher = Fetcher(store, cfg.card.model_id, cfg.ladder, cfg.chunk_tokens, card=cfg.card,
-                               timeout_s=cfg.fetch_timeout_s)
-        self.reader = ChunkReader(cfg.card, store, cfg.auth(), decoder=cfg.decoder, threads=cfg.threads,
-                                  chunk_tokens=cfg.chunk_tokens)
+        self.fetcher = reads.fetcher
+        self.reader = reads.reader()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
         self._inflight: Set[Tuple[str, Tuple[int, ...]]] = set()
         self.counters = {"prefetches": 0, "staged_tokens": 0, "failed": 0}
@@ -84,5 +82,4 @@ class Prefetcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.fetcher.close()
-        self.reader.close()
+        self.reader.close()  # the fetcher is the reads' (closed with them)

@@ -32,9 +32,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..compose import open_reads
 from ..connector import LoadSession, SaveJob, SchedulerCore
 from ..errors import Unsupported
-from ..store import KVStore, open_store
+from ..store import KVStore
 from . import trtllm_compat as compat
 from .trtllm_config import TrtllmConfig, load_config
 from .trtllm_prefetch import Prefetcher
@@ -78,9 +79,12 @@ class KVCodecScheduler(_SchedulerBase):
             log.warning("kv_cache_config.enable_block_reuse is off: TensorRT-LLM ignores KV connectors then")
         self.shared = SHARED if shared is None else shared
         self.shared.stage.max_bytes = self.cfg.stage_bytes
-        self.store = store or open_store(self.cfg.store)
+        # the deployment's reads (kvcodec.compose): the store behind the local tier, its breaker, the key
+        self.reads = open_reads(self.cfg.to_settings(), self.cfg.card, store=store, auth=self.cfg.auth())
+        self._given_store = store
+        self.store = self.reads.store
         prefetch = self.cfg.prefetch if prefetch is None else prefetch
-        self.prefetcher = Prefetcher(self.cfg, self.store, self.shared) if prefetch else None
+        self.prefetcher = Prefetcher(self.cfg, self.reads, self.shared) if prefetch else None
         self.core: SchedulerCore = SchedulerCore(tokens_per_block, self.cfg.chunk_tokens)
         self._accepted: List[LoadJob] = []
         self._external: Dict[int, int] = {}  # tokens matched in this step: left out of computed_position
@@ -153,4 +157,6 @@ class KVCodecScheduler(_SchedulerBase):
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
-        self.store.close()
+        self.reads.close()
+        if self._given_store is not None:
+            self._given_store.close()  # as before: the scheduler closes the store it was handed

@@ -41,7 +41,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..connector import KVPages, LoadFailed, WorkerCore, WriteBackSink, merged, open_sink
+from ..compose import open_writes
+from ..connector import KVPages, LoadFailed, WorkerCore, WriteBackSink, merged
 from ..errors import Unsupported
 from ..store import KVStore
 from . import trtllm_compat as compat
@@ -69,9 +70,9 @@ class KVCodecWorker(_WorkerBase):
         self.cfg = config or load_config()
         self.shared = SHARED if shared is None else shared
         self.core = WorkerCore()
-        self.sink: Optional[WriteBackSink] = open_sink(store or self.cfg.store, self.cfg.card, self.cfg.writeback,
-                                                       self.cfg.chunk_tokens, self.cfg.auth(),
-                                                       max_pending=self.cfg.max_pending, corrupt=self.shared.corrupt)
+        # the deployment's write-back (kvcodec.compose): into the local tier too, each rung priced
+        self.sink: Optional[WriteBackSink] = open_writes(self.cfg.to_settings(), self.cfg.card, store=store,
+                                                         auth=self.cfg.auth(), corrupt=self.shared.corrupt)
         if self.sink is not None:
             SINKS.add(self.sink)
         self._failed: List[str] = []  # loads that failed in start_load_kv, raised at the forward's first layer

@@ -78,14 +78,14 @@ class Standalone:
     read in the background (``serving.readpath.ReadPath``); write-back of misses (``sink``)."""
 
     def __init__(self, settings, card) -> None:
-        from ..connector.sink import sink_for_settings
+        from ..compose import open_reads, open_writes
         from ..serving.readpath import ReadPath
 
         self.settings, self.card = settings, card
         self.chunk_tokens = settings.chunk_tokens
         self.metrics = vllm_metrics.ConnectorMetrics()
-        self.reads = ReadPath(settings, card, observer=self.metrics.record)
-        self.sink = sink_for_settings(settings, card)
+        self.reads = ReadPath(open_reads(settings, card), observer=self.metrics.record)
+        self.sink = open_writes(settings, card)
         self.metrics.attach(writeback=self.sink.stats if self.sink is not None else None,
                             store=self.reads.fetcher.calls.snapshot)
         self._reading: Dict[str, Any] = {}

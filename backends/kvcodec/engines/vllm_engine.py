@@ -49,7 +49,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..connector.sink import sink_for_settings
+from ..compose import open_writes
 from ..errors import BadRequest, ConfigError, Unsupported
 from . import ModelCard, StreamReport, model_files
 from .sampling import ENGINE_FIELDS, GREEDY, Sampling
@@ -278,7 +278,7 @@ class VllmEngine(model_files.EngineFiles):
         self._ids = itertools.count()
         self._told: set = set()  # requests whose cached-token count was passed on
         self._stop = threading.Event()
-        self.writeback = sink_for_settings(settings, self.card)
+        self.writeback = open_writes(settings, self.card)
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 

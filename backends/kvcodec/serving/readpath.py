@@ -5,7 +5,8 @@ the measured link, recompute when faster, the store's breaker and deadlines), ``
 (kv_decode: verification with the chunk key, the isolated decoder), ``RestoreStep`` (kv_restore)
 and ``Assembler`` (the llm step: the request's ``connector.LoadSession``, filled as chunks arrive).
 
-``ReadPath(settings, card)``; ``start(ids) -> Reading`` returns at once: a background thread runs
+``ReadPath(reads)`` (``reads``: the deployment's ``kvcodec.compose.Reads``: store, local tier, fetcher,
+chunk key, re-signing, cost model); ``start(ids) -> Reading`` returns at once: a background thread runs
 the request's read; ``Reading.ready`` is set once the first chunk's info is in (the plan is known:
 ``Reading.chunks`` holds the ``LoadSession`` that later chunks stream into, or ``Reading.chunks`` is
 None and ``Reading.reason`` says why nothing is read). ``Reading.stats()`` once done: the request's
@@ -21,13 +22,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Optional, Sequence
 
-from ..format.auth import auth_for
-from ..store.tiered import open_for_settings
 from .assemble import Assembler, Chunks
-from .costs import for_settings, record_request
-from .decode import DecodeStep
-from .fetch import Fetcher
-from .resign import ReSigner
+from .costs import record_request
 from .restore import RestoreStep
 
 log = logging.getLogger("kvcodec.readpath")
@@ -51,22 +47,12 @@ class Reading:
 
 
 class ReadPath:
-    def __init__(self, settings, card, store=None, workers: int = 2,
-                 observer: Optional[Callable[[object], None]] = None) -> None:
-        self.settings, self.card, self.observer = settings, card, observer
-        self._owns_store = store is None
-        self.store = open_for_settings(settings) if store is None else store
-        self.costs = for_settings(settings, card.geometry(1).fp16_bytes)
-        self.fetcher = Fetcher(self.store, card.model_id, settings.ladder, settings.chunk_tokens, costs=self.costs,
-                               adaptive=settings.adaptive, deadline_s=settings.deadline_s, card=card,
-                               timeout_s=settings.fetch_timeout_s)
-        auth = auth_for(settings)
-        # chunks a previous key verified are signed again with the current one (a key rotating)
-        self.resigner = ReSigner(self.store, auth) if auth.previous_ids else None
-        self.decode = DecodeStep(card.model_id, auth=auth, decoder=settings.decoder,
-                                 resign=self.resigner.offer if self.resigner is not None else None,
-                                 threads=max(1, settings.threads), geometry=card.geometry(settings.chunk_tokens),
-                                 isolate=settings.decoder_process, decode_timeout_s=settings.decode_timeout_s)
+    def __init__(self, reads, workers: int = 2, observer: Optional[Callable[[object], None]] = None) -> None:
+        self.reads, self.observer = reads, observer
+        self.settings, self.card = reads.settings, reads.card
+        self.store, self.costs, self.fetcher = reads.store, reads.costs, reads.fetcher
+        self.resigner = reads.resigner  # chunks a previous key verified are signed again (a key rotating)
+        self.decode = reads.decode_step()
         self.restore = RestoreStep()
         self.assembler = Assembler()
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="kv-read")
@@ -129,9 +115,5 @@ class ReadPath:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.fetcher.close()
         self.decode.close()
-        if self.resigner is not None:
-            self.resigner.close()
-        if self._owns_store:
-            self.store.close()
+        self.reads.close()  # the fetcher, the re-signer, the store if it opened it

@@ -19,14 +19,11 @@ import logging
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from kvcodec.compose import open_reads
 from kvcodec.engines import model_card
-from kvcodec.format.auth import auth_for
 from kvcodec.serving.chunkinfo import ChunkInfo
-from kvcodec.serving.decode import DecodeStep
-from kvcodec.serving.resign import ReSigner
 from kvcodec.serving.restore import descriptor
 from kvcodec.settings import Settings
-from kvcodec.store import open_store
 from kvcodec.triton import (
     error_response,
     get_array,
@@ -55,15 +52,12 @@ class TritonPythonModel:
         card = model_card(self.settings)  # the model's identity only: nothing is loaded or converted
         device = instance_device(args)
         on_gpu = device.type == "cuda"
-        auth = auth_for(self.settings)
-        # chunks a previous key verified are signed again with the current one (a key rotating)
-        self.resigner = ReSigner(open_store(self.settings.store), auth) if auth.previous_ids else None
-        self.step = DecodeStep(card.model_id, auth=auth, decoder=self.settings.decoder,
-                               resign=self.resigner.offer if self.resigner is not None else None,
-                               threads=max(1, self.settings.threads), geometry=card.geometry(self.settings.chunk_tokens),
-                               selftest=True, gpu_id=device.index if on_gpu else 0, device_output=on_gpu,
-                               isolate=self.settings.decoder_process, decode_timeout_s=self.settings.decode_timeout_s,
-                               entropy=entropy_decoder(self.settings.entropy, on_gpu))
+        # the deployment's read path (kvcodec.compose): the chunk key; chunks a previous key verified are
+        # signed again with the current one (a key rotating), through the store behind the local tier
+        self.reads = open_reads(self.settings, card)
+        self.resigner = self.reads.resigner
+        self.step = self.reads.decode_step(selftest=True, gpu_id=device.index if on_gpu else 0,
+                                           device_output=on_gpu, entropy=entropy_decoder(self.settings.entropy, on_gpu))
         decoder = self.step.decoder
         message = (f"kv_decode on {device}: decoder {self.settings.decoder} self-test: "
                    f"{json.dumps(decoder.selftest_results, sort_keys=True)}")
@@ -103,6 +97,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.step.close()
-        if self.resigner is not None:
-            self.resigner.close()
-            self.resigner.store.close()
+        self.reads.close()  # the re-signer and the store it opened

@@ -27,12 +27,10 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from kvcodec.compose import open_reads
 from kvcodec.engines import model_card, open_tokenizer, sampling_fields
 from kvcodec.serving.breaker import STATES
-from kvcodec.serving.costs import for_settings
-from kvcodec.serving.fetch import Fetcher
 from kvcodec.settings import Settings
-from kvcodec.store.tiered import open_for_settings
 from kvcodec.triton import (
     FINAL,
     error_response,
@@ -51,11 +49,10 @@ class TritonPythonModel:
         self.card = model_card(self.settings)
         self.tokenizer = open_tokenizer(self.settings)  # the model's own: text_input -> the ids ingest keys
         self.honoured = sampling_fields(self.settings, self.card)  # what the llm step's engine would take
-        self.store = open_for_settings(self.settings)  # one connection pool for this instance (its local tier first)
-        costs = for_settings(self.settings, self.card.geometry(1).fp16_bytes)
-        self.fetcher = Fetcher(self.store, self.card.model_id, self.settings.ladder, self.settings.chunk_tokens,
-                               costs=costs, adaptive=self.settings.adaptive, deadline_s=self.settings.deadline_s,
-                               card=self.card, timeout_s=self.settings.fetch_timeout_s)
+        # the deployment's read path (kvcodec.compose): one connection pool for this instance, its local
+        # tier first; the fetcher (plan, adaptive rungs, the store's breaker and deadlines)
+        self.reads = open_reads(self.settings, self.card)
+        self.store, self.fetcher = self.reads.store, self.reads.fetcher
         self.metrics = _StoreMetrics(self.store.url, args.get("model_instance_name", "kv_fetch"))
         self.metrics.record(self.fetcher.calls.snapshot())
 
@@ -90,8 +87,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.fetcher.close()
-        self.store.close()
+        self.reads.close()
 
 
 class _StoreMetrics:
