@@ -52,9 +52,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -62,11 +60,22 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .peers_servers import (
+    ADAPTIVE_LADDER,
+    LMCACHE_VENV,
+    LOGPROBS_ARGS,
+    VLLM_PYTHON,
+    ensemble_server,
+    lmcache_server,
+    one_port,
+    run_chunk_key,
+)
+from .peers_stores import PeersStore, store_behind_link
+from .procstats import Footprint
 
 REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-LMCACHE_VENV = REPO / ".venv-lmcache"
 RESULTS = REPO / "perf" / "results" / "peers.json"
 METHODS = ("prefill", "lmcache", "lmcache-fp8", "lmcache-ram", "kvcodec-vllm-serve", "kvcodec-vllm-serve-ram",
            "kvcodec-ensemble")
@@ -75,8 +84,6 @@ KVCODEC = ("kvcodec-vllm-serve", "kvcodec-ensemble")
 SOURCES = ("argparse.py", "typing.py", "inspect.py", "pathlib.py", "ast.py", "enum.py", "subprocess.py", "tarfile.py")
 QUESTION = "\n\n# Question: what does the code above do?\n# Answer:"
 ANSWER_TOKENS = 8
-# the adaptive rows' ladder: stored at every rung by write-back, chosen per chunk over the measured link
-ADAPTIVE_LADDER = "kvtc-w,int8-zstd,raw"
 STORES = ("redis", "s3")
 LMCACHE_GATE_MIN_MBPS = 1000.0
 
@@ -124,168 +131,7 @@ def summarize(ttfts: Sequence[float]) -> Dict[str, float]:
             "ttft_mean_s": round(statistics.fmean(ordered), 4)}
 
 
-# -- processes: CPU seconds and peak RSS -----------------------------------------------------------
-class Footprint:
-    """CPU seconds (user + system) and peak RSS of process trees, sampled while a method runs."""
-
-    def __init__(self) -> None:
-        self.roots: Dict[str, int] = {}
-        self.peak_rss: Dict[str, int] = {}
-        self.cpu_s: Dict[str, float] = {}
-
-    def watch(self, name: str, pid: Optional[int]) -> None:
-        if pid:
-            self.roots[name] = pid
-
-    def sample(self) -> None:
-        from kvcodec_tools.procstats import descendants
-
-        tick = os.sysconf("SC_CLK_TCK")
-        for name, root in self.roots.items():
-            rss, cpu = 0, 0.0
-            for pid in [root, *descendants(root)]:
-                try:
-                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                    cpu += (int(fields[11]) + int(fields[12])) / tick
-                    rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-                except (OSError, IndexError, ValueError):
-                    continue
-            self.peak_rss[name] = max(self.peak_rss.get(name, 0), rss)
-            self.cpu_s[name] = max(self.cpu_s.get(name, 0.0), round(cpu, 2))
-
-    def report(self) -> Dict[str, dict]:
-        return {n: {"cpu_s": self.cpu_s.get(n, 0.0), "peak_rss_mb": round(self.peak_rss.get(n, 0) / 2**20, 1)}
-                for n in self.roots}
-
-
-# -- the store behind the link ------------------------------------------------------------------------
-@dataclass
-class PeersStore:
-    """One store behind the link, as every method sees it: KVCodec's ``url`` (and ``env``, the
-    variables its servers need), LMCache's L2 ``adapter``, ``sent()`` (bytes the store has sent so
-    far) and ``settle()`` (returns once the writes off the requests' path are done)."""
-
-    kind: str
-    url: str
-    adapter: dict
-    env: Dict[str, str]
-    sent: Callable[[], int]
-    settle: Callable[[], None]
-
-
-@contextlib.contextmanager
-def store_behind_link(root: Path, rate: float, config: PeersConfig) -> Iterator[Tuple[PeersStore, object]]:
-    """``config.store``'s server (``redis``: Redis; ``s3``: SeaweedFS's S3) behind a new shaped link."""
-    from kvcodec_tools.shaping import open_link
-
-    with open_link(rate, config.delay_ms, config.link_mode) as link:
-        opened = redis_store(root, rate, link) if config.store == "redis" else s3_store(root, rate, link)
-        with opened as store:
-            yield store, link
-
-
-@contextlib.contextmanager
-def redis_store(root: Path, rate: float, link) -> Iterator[PeersStore]:
-    from kvcodec_tools.ports import free_ports
-    from kvcodec_tools.services.redis import RedisServer
-
-    password = secrets.token_hex(12)
-    (port,) = free_ports(1)
-    with RedisServer(root / f"redis-{rate:g}", link.server_host, port, password, wrap=link.wrap):
-        host, exposed = link.expose(port)
-        address = (host, exposed)
-        yield PeersStore("redis", f"redis://:{password}@{host}:{exposed}/0",
-                         {"type": "resp", "host": host, "port": exposed, "password": password}, {},
-                         lambda: redis_info(address, password).get("total_net_output_bytes", 0),
-                         lambda: settle(lambda: redis_info(address, password).get("keys", 0)))
-
-
-S3_DOMAIN = "s3.peers.test"  # LMCache's S3 adapter addresses buckets virtual-hosted only: <bucket>.<domain>
-S3_BUCKET = "kvpeers"
-
-
-@contextlib.contextmanager
-def s3_store(root: Path, rate: float, link) -> Iterator[PeersStore]:
-    """SeaweedFS's S3 gateway in the link's namespace (netns links only: the bytes it sends are the
-    veth's), virtual-hosted buckets on, ``<bucket>.<S3_DOMAIN>`` in /etc/hosts."""
-    from kvcodec_tools.services.seaweedfs import SeaweedS3
-
-    veth = getattr(link, "veth", None)
-    if not veth:
-        raise SystemExit("kvcodec bench peers --store s3 needs a netns link (root): the bytes S3 sends are the veth's")
-    from kvcodec_tools.ports import free_port_run
-    from kvcodec_tools.services.seaweedfs import PORTS
-
-    key, secret = "peers-" + secrets.token_hex(4), secrets.token_hex(16)
-    base = free_port_run(len(PORTS), offsets=(0, 10000))  # probed here: the namespace's ports are as free
-    with SeaweedS3(root / f"s3-{rate:g}", link.server_host, key, secret, bucket=S3_BUCKET, prefix="kv",
-                   base_port=base, wrap=link.wrap, domain=S3_DOMAIN).start(timeout_s=120) as weed:
-        host, exposed = link.expose(weed.port)
-        resolve(f"{S3_BUCKET}.{S3_DOMAIN}", host)
-        env = dict(weed.environ(), AWS_ENDPOINT_URL_S3=f"http://{host}:{exposed}")
-        received = Path(f"/sys/class/net/{veth[0]}/statistics/rx_bytes")  # host side: what the store sent
-        sent = lambda: int(received.read_text())  # noqa: E731
-        yield PeersStore("s3", weed.url, {"type": "s3", "s3_endpoint": f"{S3_BUCKET}.{S3_DOMAIN}:{exposed}",
-                                          "s3_region": "us-east-1", "disable_tls": True,
-                                          "aws_access_key_id": key, "aws_secret_access_key": secret},
-                         env, sent, lambda: settle(sent))
-
-
-def resolve(name: str, address: str, hosts: Path = Path("/etc/hosts")) -> None:
-    """``name`` resolves to ``address``: a line in ``hosts`` (added when missing; root)."""
-    line = f"{address} {name}"
-    text = hosts.read_text()
-    if any(row.split()[:2] == [address, name] for row in text.splitlines() if row.strip()):
-        return
-    try:
-        hosts.write_text(text.rstrip("\n") + f"\n{line}\n")
-    except OSError as exc:
-        raise SystemExit(f"kvcodec bench peers --store s3: add '{line}' to {hosts} ({exc.strerror})") from None
-
-
-def redis_info(address: Tuple[str, int], password: str) -> Dict[str, int]:
-    """``INFO`` counters of the Redis server (bytes sent, keys) over RESP, no client library."""
-    with socket.create_connection(address, timeout=10) as s:
-        s.sendall(f"*2\r\n$4\r\nAUTH\r\n${len(password)}\r\n{password}\r\n*1\r\n$4\r\nINFO\r\n".encode())
-        data = b""
-        while b"total_net_output_bytes" not in data or not data.endswith(b"\r\n\r\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    out = {}
-    for line in data.decode(errors="replace").splitlines():
-        name, _, value = line.partition(":")
-        if name in ("total_net_output_bytes", "total_net_input_bytes") and value.strip().isdigit():
-            out[name] = int(value)
-        if name.startswith("db0") and "keys=" in value:
-            out["keys"] = int(value.split("keys=")[1].split(",")[0])
-    return out
-
-
-def settle(count: Callable[[], int], quiet_s: float = 8.0, limit_s: float = 600.0) -> int:
-    """Wait until ``count()`` (the store's keys, or the bytes it has moved) stops changing for
-    ``quiet_s`` (the stores off the request's path are done); the count."""
-    deadline, last, since = time.monotonic() + limit_s, -1, time.monotonic()
-    while time.monotonic() < deadline:
-        n = count()
-        if n != last:
-            last, since = n, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            break
-        time.sleep(1.0)
-    return last
-
-
 # -- the methods' servers ----------------------------------------------------------------------------
-def _port() -> int:
-    from kvcodec_tools.ports import free_ports
-
-    return free_ports(1)[0]
-
-
-# the vLLM OpenAI servers answer the gate's top-k log-probabilities
-LOGPROBS_ARGS = ["--max-logprobs", "5000"]
 
 
 @contextlib.contextmanager
@@ -298,7 +144,7 @@ def method_server(method: str, model: Path, root: Path, store: PeersStore, confi
     base, rung = method_parts(method)
     root.mkdir(parents=True, exist_ok=True)
     if base == "prefill":
-        with VllmServe(model, root, {}, _port(), connector=False, prefix_cache=prefix_cache,
+        with VllmServe(model, root, {}, one_port(), connector=False, prefix_cache=prefix_cache,
                        python=VLLM_PYTHON, extra_args=LOGPROBS_ARGS) as server:
             footprint.watch("vllm", server.process.pid)
             yield server
@@ -311,13 +157,13 @@ def method_server(method: str, model: Path, root: Path, store: PeersStore, confi
     if base in ("kvcodec-vllm-serve", "kvcodec-vllm-serve-ram"):
         env = {**store.env, "KVCODEC_HOME": str(root.parent / "home"), "KVCODEC_STORE": store.url,  # one home: costs
                "KVCODEC_MODEL_CACHE": str(REPO / ".cache" / "models"), "KVCODEC_THREADS": "1",
-               "KVCODEC_CHUNK_KEY": _chunk_key(root.parent), "KVCODEC_LADDER": rung or ADAPTIVE_LADDER,
+               "KVCODEC_CHUNK_KEY": run_chunk_key(root.parent), "KVCODEC_LADDER": rung or ADAPTIVE_LADDER,
                "KVCODEC_WRITEBACK": rung or ADAPTIVE_LADDER, "KVCODEC_ADAPTIVE": "0" if rung else "1",
                # the populating server stores every chunk of every prompt (a deployed one drops past 8 waiting)
                "KVCODEC_WRITEBACK_PENDING": "4096"}
         if base == "kvcodec-vllm-serve-ram":
             env.update(KVCODEC_LOCAL_STORE=f"file://{ram_tier(root.parent)}", KVCODEC_LOCAL_STORE_MB="4096")
-        with VllmServe(model, root, env, _port(), prefix_cache=prefix_cache, python=VLLM_PYTHON,
+        with VllmServe(model, root, env, one_port(), prefix_cache=prefix_cache, python=VLLM_PYTHON,
                        extra_args=LOGPROBS_ARGS) as server:
             footprint.watch("vllm", server.process.pid)
             yield server
@@ -328,110 +174,11 @@ def method_server(method: str, model: Path, root: Path, store: PeersStore, confi
         transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": lm_port}}
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-        with VllmServe(model, root, env, _port(), connector=False, prefix_cache=prefix_cache,
+        with VllmServe(model, root, env, one_port(), connector=False, prefix_cache=prefix_cache,
                        python=LMCACHE_VENV / "bin" / "python",
                        extra_args=["--kv-transfer-config", json.dumps(transfer), *LOGPROBS_ARGS]) as server:
             footprint.watch("vllm", server.process.pid)
             yield server
-
-
-class EnsembleServer:
-    """The Triton ensemble (``kvcodec serve`` on the vLLM engine) behind ``VllmServe``'s calls, over
-    gRPC streaming (``KVCodecClient``): ``cached_tokens`` is the response's ``reused_tokens``."""
-
-    def __init__(self, server) -> None:
-        from kvcodec_client.client import KVCodecClient
-
-        self.server, self.pid = server, server.pid
-        self.client = KVCodecClient(server.grpc_url, "grpc")
-
-    def completion(self, prompt: str, max_tokens: int) -> dict:
-        return self.streamed(prompt, max_tokens)
-
-    def streamed(self, prompt: str, max_tokens: int) -> dict:
-        r = self.client.generate(prompt, max_tokens)
-        return {"ttft_s": r.ttft_s, "text": r.text, "cached_tokens": r.reused_tokens, "elapsed_s": r.total_s,
-                "local_tokens": (r.stats.get("engine") or {}).get("local_tokens")}
-
-
-@contextlib.contextmanager
-def ensemble_server(root: Path, store: PeersStore, rung: Optional[str], prefix_cache: bool) -> Iterator[EnsembleServer]:
-    """A real tritonserver on the model repository, vLLM engine, the store behind the link; one
-    home across the populating and measuring servers (its cost model), as ``kvcodec-vllm-serve``."""
-    from kvcodec.settings import Settings
-    from kvcodec_tools.cli import DEFAULT_REPOSITORY
-    from kvcodec_tools.ports import free_ports
-    from kvcodec_tools.tritonserver import Ports, TritonServer
-
-    key_file = root.parent / "chunk.key"
-    if not key_file.exists():
-        key_file.write_text(_chunk_key(root.parent) + "\n")
-        key_file.chmod(0o600)
-    ladder = rung or ADAPTIVE_LADDER
-    settings = Settings.load({"home": str(root.parent / "home"), "store": store.url, "engine": "vllm",
-                              "model_cache": str(REPO / ".cache" / "models"), "threads": "1", "ladder": ladder,
-                              "writeback": ladder, "adaptive": "0" if rung else "1", "key_file": str(key_file),
-                              "writeback_pending": "4096", "prefix_cache": "1" if prefix_cache else "0"}, env={})
-    server = TritonServer(DEFAULT_REPOSITORY, settings, Ports(*free_ports(3)), log_path=root / "tritonserver.log")
-    with patched_environ(store.env):  # the store's variables (S3's endpoint and keys) for the server to inherit
-        server.start(timeout_s=600)
-    try:
-        yield EnsembleServer(server)
-    finally:
-        server.stop()
-
-
-@contextlib.contextmanager
-def patched_environ(values: Dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _chunk_key(root: Path) -> str:
-    path = root / "chunk.key.hex"
-    if not path.exists():
-        path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
-    return path.read_text().strip()
-
-
-@contextlib.contextmanager
-def lmcache_server(root: Path, store: PeersStore, fp8: bool) -> Iterator[Tuple[int, int]]:
-    """``lmcache server`` with the store as its L2 (``resp`` for Redis, as measured to work on this CPU
-    build, ``../shared/FINDINGS.md``; ``s3``); (its port, its pid)."""
-    from kvcodec_tools.procs import Process
-
-    port, http_port, prom_port = _port(), _port(), _port()
-    adapter = dict(store.adapter)
-    if fp8:
-        adapter["serde"] = {"type": "fp8"}
-    cmd = [str(LMCACHE_VENV / "bin" / "lmcache"), "server", "--port", str(port), "--http-port", str(http_port),
-           "--prometheus-port", str(prom_port), "--l1-size-gb", "1", "--l1-init-size-gb", "1",
-           "--eviction-policy", "LRU", "--chunk-size", "256", "--supported-transfer-mode", "auto",
-           "--l2-adapter", json.dumps(adapter)]
-    log = root / f"lmcache-server-{port}.log"
-    proc = Process("lmcache-server", cmd, log, append=False, env=dict(os.environ)).start()
-    try:
-        proc.wait_ready(lambda: _listening(port), 120, logs=[log])
-        yield port, proc.pid
-    finally:
-        proc.stop()
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 # -- one method at one rate ----------------------------------------------------------------------------

@@ -125,3 +125,34 @@ def sample_tree(root: int, shm_dir: Path = SHM_DIR) -> dict:
             "processes": len(live), "zombies": len(procs) - len(live), "threads": sum(p.threads for p in live),
             "sockets": sum(p.sockets for p in live),
             "shm_bytes": size, "shm_allocated_bytes": allocated, "shm_regions": files, "shm_machine_bytes": machine}
+
+
+class Footprint:
+    """CPU seconds (user + system) and peak RSS of process trees, sampled while a method runs."""
+
+    def __init__(self) -> None:
+        self.roots: Dict[str, int] = {}
+        self.peak_rss: Dict[str, int] = {}
+        self.cpu_s: Dict[str, float] = {}
+
+    def watch(self, name: str, pid: Optional[int]) -> None:
+        if pid:
+            self.roots[name] = pid
+
+    def sample(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        for name, root in self.roots.items():
+            rss, cpu = 0, 0.0
+            for pid in [root, *descendants(root)]:
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    cpu += (int(fields[11]) + int(fields[12])) / tick
+                    rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                except (OSError, IndexError, ValueError):
+                    continue
+            self.peak_rss[name] = max(self.peak_rss.get(name, 0), rss)
+            self.cpu_s[name] = max(self.cpu_s.get(name, 0.0), round(cpu, 2))
+
+    def report(self) -> Dict[str, dict]:
+        return {n: {"cpu_s": self.cpu_s.get(n, 0.0), "peak_rss_mb": round(self.peak_rss.get(n, 0) / 2**20, 1)}
+                for n in self.roots}

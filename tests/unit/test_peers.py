@@ -15,11 +15,10 @@ from kvcodec_tools.peers import (
     cost_summary,
     method_parts,
     prompts,
-    resolve,
     rung_chunks,
-    settle,
     summarize,
 )
+from kvcodec_tools.peers_stores import resolve, settle
 
 REPO = Path(__file__).resolve().parents[2]
 
