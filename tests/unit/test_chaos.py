@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from kvcodec_tools.chaos import ChaosConfig, resource_growth, summarize
+from kvcodec_tools.chaos import ChaosConfig
+from kvcodec_tools.chaos_verdict import resource_growth, summarize
 from kvcodec_tools.chaos_faults import FaultRecord
 from kvcodec_tools.chaos_plan import (
     KINDS,
