@@ -9,7 +9,6 @@ from collections import Counter
 import pytest
 
 from kvcodec_tools.chaos import ChaosConfig
-from kvcodec_tools.chaos_verdict import resource_growth, summarize
 from kvcodec_tools.chaos_faults import FaultRecord
 from kvcodec_tools.chaos_plan import (
     KINDS,
@@ -25,6 +24,7 @@ from kvcodec_tools.chaos_plan import (
     schedule,
     ttft_bounds,
 )
+from kvcodec_tools.chaos_verdict import resource_growth, summarize
 
 
 def test_the_schedule_is_seeded_covers_every_kind_and_keeps_each_target_to_one_fault():
