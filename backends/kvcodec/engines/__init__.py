@@ -94,22 +94,35 @@ class Engine(Protocol):
     takes_session: bool
     sampling_fields: FrozenSet[str]  # the ``Sampling`` fields ``stream`` honours (``sampling.ENGINE_FIELDS`` at most)
 
-    def geometry(self, tokens: int) -> Geometry: ...
+    def geometry(self, tokens: int) -> Geometry:
+        """The KV geometry of ``tokens`` tokens of this engine's model (no side effects)."""
 
-    def tokenize(self, text: str) -> List[int]: ...
+    def tokenize(self, text: str) -> List[int]:
+        """The model's own token ids of ``text`` (``engines.tokenizer.Tokenizer.encode``: what ingest and kv_fetch key chunks by)."""
 
-    def detokenizer(self) -> Detokenizer: ...
+    def detokenizer(self) -> Detokenizer:
+        """A fresh incremental detokenizer for one answer (not shared between requests)."""
 
-    def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]: ...
+    def prefill_chunks(self, ids: Sequence[int], chunk_tokens: int) -> Iterator[np.ndarray]:
+        """The KV of each full chunk of ``ids`` (``[layers, 2, kv_heads, chunk_tokens, head_dim]``, the
+        card's ``kv_dtype``), computed from scratch, in order (ingest); may block for a prefill;
+        ``Unsupported`` from an engine that cannot (trtllm: its write-back stores instead)."""
 
     def stream(self, ids: Sequence[int], max_tokens: int, past_kv: Optional[np.ndarray] = None,
                report: Optional["StreamReport"] = None, load=None, sampling: Sampling = GREEDY,
                salt: str = "") -> Iterator[int]:
-        """The answer's tokens. ``salt``: the request's cache salt (its tenant): the engine's own
-        prefix cache and write-back keep it apart from other salts (``format.keys``); only passed
-        when not empty."""
+        """The answer's tokens, as they are made (at most ``max_tokens``; the end token ends it). KV comes
+        from ``past_kv`` (the restored prefix, host array) or ``load`` (a ``connector.LoadSession``,
+        engines that ``takes_session``), never both; at least one prompt token is always computed
+        (``BadRequest`` otherwise). ``report`` is filled as the engine goes (``StreamReport``). The
+        prompt's new full chunks may be handed to write-back (off the caller's thread). ``salt``: the
+        request's cache salt (its tenant): the engine's own prefix cache and write-back keep it apart
+        from other salts (``format.keys``); only passed when not empty. Raises ``BadRequest`` for a
+        request the engine refuses; blocks only for its own compute."""
 
-    def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray: ...
+    def continuation_logprobs(self, past_kv: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+        """Log-probabilities of each next token of ``ids`` given ``past_kv`` before them (the quality
+        gate: teacher-forced scoring of restored KV); ``Unsupported`` from an engine that cannot."""
 
     def writeback_stats(self) -> Optional[dict]:
         """The write-back sink's counts (queued, stored, dropped, failed, pending); None: no write-back."""
