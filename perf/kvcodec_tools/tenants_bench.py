@@ -3,7 +3,8 @@
 One context is ingested twice at one rung, for two tenants (two cache salts): in the clear for one,
 encrypted (``encrypt_chunks``: AES-256-GCM per tenant) for the other, into one store. At each link
 rate (a throttled link: ``kvcodec_tools.shaping``; nginx behind it) one tritonserver serves both,
-and the same prompt is asked, interleaved run by run so that the machine's noise falls on both alike:
+and the same prompt is asked, interleaved run by run (which goes first swapped each run) so that the
+machine's noise and any effect of order fall on both alike:
 
 - ``prefill``: no reuse (what a stranger's request must cost);
 - ``plain``: the clear tenant's reuse;
@@ -120,8 +121,8 @@ def run(settings, repository: Path, bandwidths: List[float], context: int, rung:
                 for tenant in by:  # warm-up: the link estimate, the decoders
                     client.generate(prompt, 4, cache_salt=SALTS[tenant])
                     bar.update(1)
-                for _ in range(runs):  # interleaved: the machine's noise falls on both alike
-                    for tenant in by:
+                for i in range(runs):  # interleaved, the order swapped each run: noise and order fall on both alike
+                    for tenant in (("plain", "encrypted") if i % 2 == 0 else ("encrypted", "plain")):
                         by[tenant].append(client.generate(prompt, 4, cache_salt=SALTS[tenant]))
                         bar.update(1)
                 stranger = client.generate(prompt, 4, cache_salt=SALTS["stranger"])
