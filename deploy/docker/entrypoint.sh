@@ -72,5 +72,5 @@ if [ -n "${KVCODEC_GRPC_TLS_CERT:-}${KVCODEC_GRPC_TLS_KEY:-}" ]; then
   set -- --grpc-tls-cert "${KVCODEC_GRPC_TLS_CERT:-}" --grpc-tls-key "${KVCODEC_GRPC_TLS_KEY:-}" "$@"
 fi
 exec kvcodec serve --host 0.0.0.0 --model-repository "$repository" \
-  --http-port 8000 --grpc-port 8001 --metrics-port 8002 --health-port 8003 \
+  --http-port 8000 --grpc-port 8001 --metrics-port 8002 --health-port 8003 --require-profiles \
   --timeout "${KVCODEC_START_TIMEOUT_S:-1800}" "$@"

@@ -274,7 +274,9 @@ def cmd_serve(args) -> int:
         return 1
     settings = _settings(args)
     engines.prepare(settings)
-    _warn_unfitted(settings)
+    unfitted = _warn_unfitted(settings, refuse=args.require_profiles)
+    if unfitted:
+        return 2
     down = _store_down(settings)
     if down:  # the server starts anyway: a store that comes back is used again
         print(f"kvcodec serve: warning: {down}; requests prefill until the store answers", file=sys.stderr,
@@ -350,9 +352,11 @@ def _start_failure(exc: Exception, log_path: Path) -> str:
     return f"tritonserver did not start: {reason} (log {log_path})"
 
 
-def _warn_unfitted(settings) -> None:
+def _warn_unfitted(settings, refuse: bool = False) -> str:
     """One line if the ladder or the write-back rungs need a codec profile this model lacks: those
-    rungs are misses, and write-back at them fails, until ``kvcodec profile fit --model`` has run."""
+    rungs are misses, and write-back at them fails, until ``kvcodec profile fit --model`` has run.
+    ``refuse`` (``--require-profiles``, the containers): an error instead, and the line is returned
+    (the server is not started: a deployment fails loudly rather than serving misses)."""
     from kvcodec.engines import model_card
     from kvcodec.errors import ConfigError
     from kvcodec.format.ladder import parse_ladder
@@ -364,7 +368,9 @@ def _warn_unfitted(settings) -> None:
             if rungs:
                 require_profiles(parse_ladder(list(rungs), card))
     except ConfigError as exc:
-        print(f"kvcodec serve: warning: {exc}", file=sys.stderr, flush=True)
+        print(f"kvcodec serve: {'error' if refuse else 'warning'}: {exc}", file=sys.stderr, flush=True)
+        return str(exc) if refuse else ""
+    return ""
 
 
 def _watchdog(server, watching: list, start_timeout_s: float):
@@ -413,6 +419,9 @@ def register(sub) -> None:
     p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                    help="restart the server when a python stub or the server dies (default on; at most 5 "
                         "restarts in 300 s, then exit 1)")
+    p.add_argument("--require-profiles", action="store_true",
+                   help="refuse to start when a rung of the ladder or of write-back needs a codec profile this "
+                        "model lacks (default: a warning, and those rungs are misses; the containers set it)")
     p.add_argument("--health-port", type=int,
                    help="serve GET /ready (every model ready in Triton, no dead stub, no restart under way; "
                         "no inference) and GET /live on this port, on --host (the containers: 8003)")

@@ -134,6 +134,8 @@ def test_the_entrypoint_serves_through_kvcodec_serve_with_its_watchdog_and_healt
     assert run.returncode == 0, run.stderr
     assert served[1] == "serve" and "--no-watchdog" not in served
     args, tritonserver = served[2:served.index("--")], served[served.index("--") + 1:]
+    assert "--require-profiles" in args  # a ladder whose codec profile is absent fails the start, loudly
+    args.remove("--require-profiles")
     options = dict(zip(args[::2], args[1::2], strict=True))
     assert options == {"--host": "0.0.0.0", "--model-repository": str(home / "repository"), "--http-port": "8000",
                        "--grpc-port": "8001", "--metrics-port": "8002", "--health-port": "8003",

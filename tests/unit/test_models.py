@@ -114,8 +114,13 @@ def test_a_rung_that_needs_a_profile_is_refused_until_one_is_fitted(models, smol
     err = capsys.readouterr().err
     assert code == 2 and "kvcodec ingest: codec profile" in err and "kvcodec profile fit --model" in err
     # serve starts (the fetch misses those rungs) and says why in one line
-    tritonserver._warn_unfitted(settings)
+    assert tritonserver._warn_unfitted(settings) == ""
     assert "kvcodec serve: warning: codec profile" in capsys.readouterr().err
+    # --require-profiles (the containers' entrypoint): an error, and serve does not start
+    assert "not fitted yet" in tritonserver._warn_unfitted(settings, refuse=True)
+    assert "kvcodec serve: error: codec profile" in capsys.readouterr().err
+    parsed = cli.build_parser().parse_args(["serve", "--require-profiles"])
+    assert parsed.require_profiles and not cli.build_parser().parse_args(["serve"]).require_profiles
     # a fitted profile file where the card looks for it ends the refusal
     from kvcodec.engines.model_files import profile_path
 
