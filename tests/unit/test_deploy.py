@@ -218,7 +218,8 @@ def test_the_build_context_holds_what_the_install_reads_and_nothing_else(tmp_pat
     assert any(n.startswith("kvcodec/profiles/") and n.endswith(".npz") for n in names)
 
 
-MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+MANIFESTS = sorted(m for m in (DEPLOY / "kubernetes").glob("*.yaml") if m.name != "kustomization.yaml")
+OVERLAYS = ("cpu", "gpu")
 
 
 def test_kubernetes_manifests_validate_strictly():
@@ -230,7 +231,9 @@ def test_kubernetes_manifests_validate_strictly():
 
 def test_kubernetes_manifests_fit_together():
     yaml = pytest.importorskip("yaml")
-    docs = {d["kind"]: d for m in MANIFESTS for d in yaml.safe_load_all(m.read_text()) if d}
+    every = [d for m in MANIFESTS for d in yaml.safe_load_all(m.read_text()) if d]
+    docs = {d["kind"]: d for d in every if d["metadata"]["name"] in ("kvcodec", "kvcodec-settings", "kvcodec-secrets",
+                                                                      "kvcodec-store-gc")}
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     [server] = pod["containers"]
     sources = {s.get("configMapRef", s.get("secretRef"))["name"] for s in server["envFrom"]}
@@ -253,6 +256,60 @@ def test_kubernetes_manifests_fit_together():
     gc = docs["CronJob"]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert gc[:3] == ["kvcodec", "store", "gc"]
     assert docs["ConfigMap"]["data"]["KVCODEC_ENGINE"] == "vllm"
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in every}
+    for name in ("kvcodec", "kvcodec-vllm-serve"):  # the Triton ensemble and vllm serve beside it
+        spec = by_name[("Deployment", name)]["spec"]["template"]["spec"]
+        [container] = spec["containers"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"  # the python backend's tensors
+        assert "persistentVolumeClaim" in volumes[mounts["/var/lib/kvcodec/models"]]  # a cache that persists
+        assert not any("configMap" in v for v in volumes.values())  # no profile squeezed into 1 MiB
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert all(p["httpGet"]["path"] in ("/ready", "/live", "/health")
+                   for p in (container[f"{k}Probe"] for k in ("startup", "readiness", "liveness")))
+        assert spec["serviceAccountName"] == by_name[("ServiceAccount", "kvcodec")]["metadata"]["name"]
+        store_ca = volumes[mounts["/etc/kvcodec/store-ca"]]["secret"]
+        assert store_ca["optional"] is True and docs["ConfigMap"]["data"]["KVCODEC_STORE_CA_FILE"].startswith(
+            "/etc/kvcodec/store-ca/")
+    vllm = by_name[("Deployment", "kvcodec-vllm-serve")]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "KVCodecConnector" in vllm[vllm.index("--kv-transfer-config") + 1]
+    pdb = by_name[("PodDisruptionBudget", "kvcodec")]["spec"]
+    assert pdb["selector"]["matchLabels"].items() <= labels.items() and pdb["maxUnavailable"] == 1
+    policy = by_name[("NetworkPolicy", "kvcodec")]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert {p["port"] for rule in policy["ingress"] for p in rule["ports"]} == {8000, 8001, 8002}
+    fit = by_name[("Job", "kvcodec-profile-fit")]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert fit[:3] == ["kvcodec", "profile", "fit"]
+    assert docs["ConfigMap"]["data"]["KVCODEC_STORE"].startswith(("rediss://", "https://", "s3://"))  # TLS
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_kustomize_overlays_render_and_validate(overlay, tmp_path):
+    """deploy/overlays/{cpu,gpu} over deploy/kubernetes, rendered by kubectl's kustomize, validated
+    strictly; the gpu overlay gives every Deployment a GPU and the GPU nodes' toleration, cpu none."""
+    yaml = pytest.importorskip("yaml")
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its kustomize) is not installed: the overlays are not rendered")
+    out = _run(kubectl, "kustomize", DEPLOY / "overlays" / overlay)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    core = [d for d in docs if d["kind"] not in ("ServiceMonitor", "PrometheusRule")]
+    for i, d in enumerate(core):
+        (tmp_path / f"{i}.yaml").write_text(yaml.safe_dump(d))
+    check = _run(_tool("kubernetes-validate"), "--strict", "--quiet", *sorted(tmp_path.glob("*.yaml")))
+    assert check.returncode == 0 and "ERROR" not in check.stdout + check.stderr, check.stdout + check.stderr
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    assert {d["metadata"]["name"] for d in deployments} == {"kvcodec", "kvcodec-vllm-serve"}
+    settings = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    assert settings["KVCODEC_VARIANT"] == overlay
+    for d in deployments:
+        spec = d["spec"]["template"]["spec"]
+        gpus = spec["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
+        tolerated = [t["key"] for t in spec.get("tolerations", [])]
+        assert (gpus, tolerated) == ((1, ["nvidia.com/gpu"]) if overlay == "gpu" else (None, []))
 
 
 RULES = DEPLOY / "prometheus" / "kvcodec-alerts.yml"
