@@ -88,16 +88,16 @@ def at(url: str, clock: Clock, **options) -> S3Store:
 def test_gc_keeps_a_chunk_read_yesterday_and_ingested_last_month(s3):
     now = 1_900_000_000.0  # gc runs "now"; everything below is stamped by the store's clock
     clock = Clock(now - 30 * DAY)
-    with at(s3, clock) as store:  # ingested a month ago: a hot prefix and a cold one
+    with at(s3, clock, touch_s=3600.0) as store:  # ingested a month ago: a hot prefix and a cold one
         hot = ingest(store, "m-hot", 1)
         cold = ingest(store, "m-cold", 2)
     clock.t = now - DAY  # yesterday a replica read the hot prefix
-    with at(s3, clock) as replica:
+    with at(s3, clock, touch_s=3600.0) as replica:  # marking on (off by default: docs/operations.md)
         for key in hot:
             assert replica.get(key) is not None
         assert replica.get(hot[0]) is not None  # again at once: within touch_s, no second mark
     # close() waited for the marks: they are on the server now
-    with at(s3, Clock(now)) as store:
+    with at(s3, Clock(now), touch_s=3600.0) as store:
         report = gc(store, older_than_s=7 * DAY, now=now)
         assert all(store.exists(k) for k in hot), "a chunk read yesterday was deleted as unused"
         assert not any(store.exists(k) for k in cold)
@@ -114,12 +114,12 @@ def test_a_local_tier_hit_marks_the_s3_chunk_used(s3, tmp_path):
     now = 1_900_000_000.0
     clock = Clock(now - 30 * DAY)
     local = open_store(f"file://{tmp_path / 'local'}")
-    with TieredStore(local, at(s3, clock), 1 << 30) as tier:
+    with TieredStore(local, at(s3, clock, touch_s=3600.0), 1 << 30) as tier:
         keys = ingest(tier, "m-tier", 3, n=2)  # written through: held locally too
         clock.t = now - 2 * DAY
         for key in keys:
             assert tier.get_tiered(key)[1] == "local"  # S3 sees no read ...
-    with at(s3, Clock(now)) as store:
+    with at(s3, Clock(now), touch_s=3600.0) as store:
         assert [store.used(k) for k in keys] == [pytest.approx(now - 2 * DAY)] * 2  # ... but is told
         assert gc(store, older_than_s=7 * DAY, now=now)["deleted"]["chunks"] == 0
 

@@ -38,7 +38,12 @@ TLS (an ``https://`` endpoint) verifies the server against the CA bundle ``ca_fi
 ``KVCODEC_STORE_CA_FILE``), else boto3's own (``AWS_CA_BUNDLE``, the system CAs); a certificate
 that does not verify raises ``StoreUnavailable`` saying so.
 
-URL options: ``?timeout_s=10&connect_timeout_s=3&attempts=2&pool=16&addressing=auto|path|virtual&touch_s=3600``.
+URL options: ``?timeout_s=10&connect_timeout_s=3&attempts=2&pool=16&addressing=auto|path|virtual&touch_s=0``.
+Marking use is off by default (``touch_s=0``): the copy of an object onto itself is not atomic against
+a write of the same key on every S3 server (on SeaweedFS a copy queued behind a read put back the
+bytes that an overwrite had just replaced, even with ``CopySourceIfMatch``); turn it on
+(``touch_s=3600``) where nothing overwrites chunks while they are read (no key rotation re-signing,
+no corrupt-chunk replacement) or the server's copy is atomic.
 ``boto3`` is imported only when an ``s3://`` store is opened.
 """
 from __future__ import annotations
@@ -60,7 +65,7 @@ log = logging.getLogger("kvcodec.store.s3")
 
 SUFFIX = ".kvc"
 USED = "kvcodec-used"  # user metadata: epoch seconds of the chunk's last use (or its write)
-TOUCH_S = 3600.0  # a process marks a chunk used at most this often
+TOUCH_S = 0.0  # off unless the URL says (?touch_s=3600): see the module's docstring on overwrites
 _TOUCH_QUEUE = 256  # marks waiting for the background thread; more are dropped
 _TOUCH_KEYS = 1 << 16  # keys whose last mark this process remembers
 _PIECE = 1 << 16  # bytes read at a time inside a caller's deadline
@@ -220,13 +225,20 @@ class S3Store(KVStore):
         import botocore.exceptions as bx
 
         name = self._name(key)
+        seen: dict = {}
+
+        def read(c):
+            response = c.get_object(Bucket=self.bucket, Key=name)
+            seen["etag"] = response.get("ETag")
+            return self._body(response, "GET", key)
+
         try:
-            data = self._call("GET", key, lambda c: self._body(c.get_object(Bucket=self.bucket, Key=name), "GET", key))
+            data = self._call("GET", key, read)
         except bx.ClientError as exc:
             if self._code(exc) in _MISS:
                 return None
             raise self._fail("GET", key, exc) from None
-        self.touch(key)
+        self.touch(key, seen.get("etag"))
         return data
 
     def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
@@ -318,7 +330,7 @@ class S3Store(KVStore):
     def _stamp(self) -> dict:
         return {USED: f"{self.clock():.3f}"}
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: str, etag: Optional[str] = None) -> None:
         """Mark the chunk used now, unless this process did within ``touch_s``: queued for the
         background thread (never blocks the caller; dropped when too many wait)."""
         if self.touch_s <= 0:
@@ -337,20 +349,27 @@ class S3Store(KVStore):
             if self._toucher is None:
                 self._toucher = ThreadPoolExecutor(1, thread_name_prefix="kv-s3-touch")
             self._touches_waiting += 1
-            self._toucher.submit(self._mark, key, now)
+            self._toucher.submit(self._mark, key, now, etag)
 
-    def _mark(self, key: str, when: float) -> None:
-        """``CopyObject`` of the object onto itself with ``kvcodec-used`` = ``when``; a chunk deleted
-        meanwhile stays deleted; a failure is logged (a lost mark makes gc see an older use)."""
+    def _mark(self, key: str, when: float, etag: Optional[str] = None) -> None:
+        """``CopyObject`` of the object onto itself with ``kvcodec-used`` = ``when``, only if it is
+        still the object that was read (``CopySourceIfMatch``: the ETag of the read, else of a HEAD
+        now): a copy queued behind a read must never put back bytes that a later write replaced (an
+        overwrite re-signing or replacing a corrupt chunk); a chunk deleted or replaced meanwhile
+        is left as it is; a failure is logged (a lost mark makes gc see an older use)."""
         import botocore.exceptions as bx
 
         name = self._name(key)
         try:
+            if etag is None:
+                etag = self._call("HEAD", key, lambda c: c.head_object(Bucket=self.bucket, Key=name)).get("ETag")
             self._call("COPY", key, lambda c: c.copy_object(
                 Bucket=self.bucket, Key=name, CopySource={"Bucket": self.bucket, "Key": name},
-                Metadata={USED: f"{when:.3f}"}, MetadataDirective="REPLACE"))
+                CopySourceIfMatch=etag, Metadata={USED: f"{when:.3f}"}, MetadataDirective="REPLACE"))
         except bx.ClientError as exc:
-            if self._code(exc) not in _MISS:
+            if self._code(exc) in ("PreconditionFailed", "412"):
+                log.debug("S3 %s changed since it was read: not marked", key)
+            elif self._code(exc) not in _MISS:
                 log.warning("%s", self._fail("COPY (mark used)", key, exc))
         except StoreUnavailable as exc:
             log.warning("%s", exc)
