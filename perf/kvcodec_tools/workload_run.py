@@ -110,17 +110,11 @@ class OpenAITarget:
         salt = salt if salt is not None else self.cache_salt
         if salt:
             body["cache_salt"] = salt
+        from .services.vllm_serve import completion_stream
+
         t0 = time.perf_counter()
-        ttft, texts, cached = None, [], None
-        for event in _events(_post(f"{self.url}/v1/completions", body), self.timeout_s):
-            for choice in event.get("choices") or []:
-                if choice.get("text"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    texts.append(choice["text"])
-            usage = event.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
-        elapsed = time.perf_counter() - t0
-        return Answer(elapsed if ttft is None else ttft, "".join(texts), cached, elapsed)
+        ttft, text, cached = completion_stream(_events(_post(f"{self.url}/v1/completions", body), self.timeout_s), t0)
+        return Answer(ttft, text, cached, time.perf_counter() - t0)
 
     def reference(self, prompt: str, max_tokens: int) -> str:
         return self.send(prompt, max_tokens, salt="reference-" + secrets.token_hex(8)).text

@@ -99,21 +99,11 @@ class VllmServe:
         request = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
-        ttft, texts, cached = None, [], None
         with urllib.request.urlopen(request, timeout=600) as r:
-            for raw in r:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                for choice in event.get("choices") or []:
-                    if choice.get("text"):
-                        ttft = ttft if ttft is not None else time.perf_counter() - t0
-                        texts.append(choice["text"])
-                usage = event.get("usage") or {}
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
-        return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t0, "text": "".join(texts),
-                "cached_tokens": cached, "elapsed_s": time.perf_counter() - t0}
+            events = (json.loads(line[5:]) for line in (raw.decode("utf-8", "replace").strip() for raw in r)
+                      if line.startswith("data:") and line != "data: [DONE]")
+            ttft, text, cached = completion_stream(events, t0)
+        return {"ttft_s": ttft, "text": text, "cached_tokens": cached, "elapsed_s": time.perf_counter() - t0}
 
     def chat(self, messages: List[Dict[str, str]], max_tokens: int, **sampling) -> dict:
         t0 = time.perf_counter()
@@ -144,3 +134,18 @@ class VllmServe:
 
     def log_tail(self, lines: int = 60) -> str:
         return tail(self.log, lines)
+
+
+def completion_stream(events, t0: float):
+    """(TTFT: the first text's arrival after ``t0`` (``time.perf_counter``), or the end if none came;
+    the text; ``cached_tokens`` from the usage, where the server reports it) of a streamed
+    ``/v1/completions`` answer's JSON events."""
+    ttft, texts, cached = None, [], None
+    for event in events:
+        for choice in event.get("choices") or []:
+            if choice.get("text"):
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                texts.append(choice["text"])
+        usage = event.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
+    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(texts), cached
