@@ -157,3 +157,19 @@ def kill_tree(proc: subprocess.Popen) -> None:
             pass
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def start_serve(settings, home: Path, *flags: str) -> "tuple[subprocess.Popen, str]":
+    """``kvcodec serve`` on ``home`` (a file store there, the session's model cache) with ``flags``
+    (ports, ...), in a session of its own; (the process, its ready line, or the last line it printed
+    if it did not get ready within 300 s)."""
+    import time
+
+    proc = subprocess.Popen(
+        [KVCODEC, "serve", "--home", str(home), "--model-cache", str(settings.model_cache),
+         "--store", f"file://{home}/store", "--threads", "1", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    line, deadline = "", time.monotonic() + 300
+    while "ready" not in line and time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+    return proc, line

@@ -17,7 +17,7 @@ import pytest
 
 from kvcodec_client import KVCodecClient
 
-from .conftest import KVCODEC, REPO, free_ports, ingest_text, kill_tree, text_of
+from .conftest import KVCODEC, REPO, free_ports, ingest_text, kill_tree, start_serve, text_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -152,16 +152,9 @@ def test_serves_health_follows_a_dead_stub_through_the_watchdogs_restart(setting
     from kvcodec_tools.tritonserver import children, stubs_of
 
     http, grpc, metrics, health = free_ports(4)
-    proc = subprocess.Popen(
-        [KVCODEC, "serve", "--home", str(tmp_path), "--model-cache", str(settings.model_cache),
-         "--store", f"file://{tmp_path}/store", "--threads", "1", "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--health-port", str(health)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc, line = start_serve(settings, tmp_path, "--http-port", str(http), "--grpc-port", str(grpc),
+                             "--metrics-port", str(metrics), "--health-port", str(health))
     try:
-        line = ""
-        deadline = time.monotonic() + 300
-        while "ready" not in line and time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
         assert "kvcodec serve: ready" in line and f"health 127.0.0.1:{health}" in line, line
         assert _health(health, "/ready") == (200, "ready")
         assert _health(health, "/live") == (200, "live")

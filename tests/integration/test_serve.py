@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 import urllib.request
 
@@ -12,7 +11,7 @@ import pytest
 
 from kvcodec_tools.tritonserver import children, stubs_of
 
-from .conftest import KVCODEC, free_ports, kill_tree
+from .conftest import free_ports, kill_tree, start_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -20,16 +19,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_starts_and_stops_cleanly(settings, tmp_path, signum):
     http, grpc, metrics = free_ports(3)
-    proc = subprocess.Popen(
-        [KVCODEC, "serve", "--home", str(tmp_path), "--model-cache", str(settings.model_cache),
-         "--store", f"file://{tmp_path}/store", "--threads", "1",
-         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc, line = start_serve(settings, tmp_path, "--http-port", str(http), "--grpc-port", str(grpc),
+                             "--metrics-port", str(metrics))
     try:
-        line = ""
-        deadline = time.monotonic() + 300
-        while "ready" not in line and time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
         assert "kvcodec serve: ready" in line, line
         assert f"127.0.0.1:{http}" in line and f"127.0.0.1:{grpc}" in line
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/kvcodec/ready", timeout=5) as r:
