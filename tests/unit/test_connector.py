@@ -275,12 +275,12 @@ def test_writeback_counts_become_metric_increments_summed_over_queues():
 
     inc = Increments()
     assert inc.since({"queued": 3, "stored": 2, "dropped": 1, "failed": 1}) == \
-        {"queued": 3, "stored": 2, "dropped": 1, "failed": 1}
-    assert inc.since({"queued": 5, "stored": 2, "dropped": 1, "failed": 3}) == \
-        {"queued": 2, "stored": 0, "dropped": 0, "failed": 2}  # two puts the store refused
+        {"queued": 3, "stored": 2, "dropped": 1, "failed": 1, "skipped": 0}
+    assert inc.since({"queued": 5, "stored": 2, "dropped": 1, "failed": 3, "skipped": 1}) == \
+        {"queued": 2, "stored": 0, "dropped": 0, "failed": 2, "skipped": 1}  # two puts the store refused
     assert inc.since({"queued": 1, "stored": 1, "dropped": 0, "failed": 0})["queued"] == 1  # a new queue
     both = merged([{"queued": 2, "failed": 1, "pending": 1, "busy_s": 0.5}, {"queued": 1, "stored": 1}])
-    assert both == {"queued": 3, "stored": 1, "dropped": 0, "failed": 1, "written": 0, "present": 0,
+    assert both == {"queued": 3, "stored": 1, "dropped": 0, "failed": 1, "skipped": 0, "written": 0, "present": 0,
                     "pending": 1, "busy_s": 0.5}
     chunks = Increments(("written", "present"))  # the sink's chunk copies, kvcodec_writeback_chunks_total
     assert chunks.since({"queued": 9, "written": 2, "present": 1}) == {"written": 2, "present": 1}

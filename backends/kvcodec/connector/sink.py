@@ -10,10 +10,15 @@
   engine's step);
 - ``corrupt`` (a ``KeySet``, may be shared with a reader): keys whose stored copy was found corrupt;
   the next save of that chunk replaces it instead of keeping it (bounded, oldest forgotten first);
-- ``stats()``: ``WriteBack.stats`` (jobs) plus ``written`` (chunk copies, one per rung, this sink
-  stored) and ``present`` (copies another writer had stored first: seen before encoding, or
-  refused by the store's create), ``flush(timeout_s)``, ``close(timeout_s=30)`` (also closes the
-  store when the sink opened it).
+- a dead store does not hold the write-back thread: the sink has its own circuit breaker
+  (``serving.breaker.Breaker``; a store error opens it). While it is open, jobs are skipped at
+  once (``skipped``), and once its cooldown is over the next job goes to the store as the probe
+  (its success closes the breaker, its failure doubles the cooldown). Without it, every miss
+  against a store that accepts and never answers queued one hung call after another;
+- ``stats()``: ``WriteBack.stats`` (jobs, ``skipped`` included) plus ``written`` (chunk copies, one
+  per rung, this sink stored), ``present`` (copies another writer had stored first: seen before
+  encoding, or refused by the store's create) and ``breaker`` (its state),
+  ``flush(timeout_s)``, ``close(timeout_s=30)`` (also closes the store when the sink opened it).
 
 ``open_sink(store_url, card, rungs, chunk_tokens, auth, max_pending=8)`` makes one; None when
 ``rungs`` is empty (write-back off). From ``Settings``: ``kvcodec.compose.open_writes``.
@@ -26,9 +31,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import StoreUnavailable
 from ..format.keys import chunk_keys, tenant_id
+from ..serving.breaker import Breaker
 from .save import ChunkSaver
-from .writeback import WriteBack
+from .writeback import SKIPPED, WriteBack
 
 MAX_CORRUPT = 4096
 
@@ -81,8 +88,10 @@ class KeySet:
 
 class WriteBackSink:
     def __init__(self, saver: ChunkSaver, max_pending: int = 8, owns_store: bool = False,
-                 corrupt: Optional[KeySet] = None, name: str = "kv-writeback") -> None:
+                 corrupt: Optional[KeySet] = None, name: str = "kv-writeback",
+                 breaker: Optional[Breaker] = None) -> None:
         self.saver = saver
+        self.breaker = breaker or Breaker()
         self.queue = WriteBack(self._store, max_pending=max_pending, name=name)
         self._owns_store = owns_store
         self.corrupt = KeySet() if corrupt is None else corrupt
@@ -97,12 +106,32 @@ class WriteBackSink:
 
         return sink
 
-    def _store(self, job) -> None:
+    def _store(self, job) -> Optional[str]:
         keys, index, start, kv = job
+        probe = False
+        if not self.breaker.allow():
+            probe = self.breaker.take_probe()
+            if not probe:
+                return SKIPPED  # the store is kept out: no call waits on it
         chunk_keys_ = keys.of(index)
         replace = frozenset(k for k in chunk_keys_ if k in self.corrupt)
         array = kv if isinstance(kv, np.ndarray) else kv.get()
-        saved = self.saver.save(chunk_keys_, index, start, array, replace, keys.tenant)
+        try:
+            saved = self.saver.save(chunk_keys_, index, start, array, replace, keys.tenant)
+        except StoreUnavailable as exc:
+            if probe:
+                self.breaker.probe_done(False, str(exc))
+            else:
+                self.breaker.failure(str(exc))
+            raise
+        except BaseException:
+            if probe:  # not the store's fault: the next job probes again
+                self.breaker.probe_done(True)
+            raise
+        if probe:
+            self.breaker.probe_done(True)
+        else:
+            self.breaker.success()
         with self._lock:
             self._written += saved.written
             self._present += saved.present
@@ -111,7 +140,7 @@ class WriteBackSink:
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(self.queue.stats(), written=self._written, present=self._present)
+            return dict(self.queue.stats(), written=self._written, present=self._present, breaker=self.breaker.state)
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
         return self.queue.flush(timeout_s)

@@ -6,9 +6,10 @@ accepted job, in order (the caller builds one only if write-back is wanted):
 - ``offer(job) -> bool``: never blocks; False (counted as dropped) when ``max_pending`` jobs already
   wait, or after ``close``;
 - an exception from ``store_fn`` is logged and counted, never raised into the caller; the worker
-  goes on with the next job;
-- ``stats()``: ``queued`` (jobs accepted), ``stored``, ``dropped``, ``failed``, ``pending`` (waiting
-  or running now) and ``busy_s`` (seconds spent in ``store_fn``);
+  goes on with the next job; ``store_fn`` returning ``SKIPPED`` counts the job as skipped (the
+  caller chose not to store it: its store is kept out by a breaker);
+- ``stats()``: ``queued`` (jobs accepted), ``stored``, ``dropped``, ``failed``, ``skipped``,
+  ``pending`` (waiting or running now) and ``busy_s`` (seconds spent in ``store_fn``);
 - ``flush(timeout_s) -> bool``: waits until no job waits or runs (False on timeout);
 - ``close(timeout_s) -> bool``: accepts no more jobs, lets the worker finish those accepted, and
   waits for it (False if it is still busy at the timeout).
@@ -27,6 +28,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, Iterable, Optional
 
 log = logging.getLogger(__name__)
+SKIPPED = "skipped"  # what a store_fn returns for a job it chose not to store
 
 
 class WriteBack:
@@ -39,7 +41,7 @@ class WriteBack:
         self._cond = threading.Condition()
         self._running = False
         self._closed = False
-        self._counts = {"queued": 0, "stored": 0, "dropped": 0, "failed": 0}
+        self._counts = {k: 0 for k in COUNTS}
         self._busy_s = 0.0
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -63,15 +65,16 @@ class WriteBack:
                 job = self._jobs.popleft()
                 self._running = True
             t0 = time.perf_counter()
-            ok = True
+            outcome = "stored"
             try:
-                self.store_fn(job)
+                if self.store_fn(job) == SKIPPED:
+                    outcome = "skipped"
             except Exception:
-                ok = False
+                outcome = "failed"
                 log.exception("write-back job failed")
             with self._cond:
                 self._busy_s += time.perf_counter() - t0
-                self._counts["stored" if ok else "failed"] += 1
+                self._counts[outcome] += 1
                 self._running = False
                 self._cond.notify_all()
 
@@ -91,7 +94,7 @@ class WriteBack:
         return not self._thread.is_alive()
 
 
-COUNTS = ("queued", "stored", "dropped", "failed")
+COUNTS = ("queued", "stored", "dropped", "failed", "skipped")
 CHUNK_COUNTS = ("written", "present")  # WriteBackSink's, per chunk copy (one per rung)
 
 

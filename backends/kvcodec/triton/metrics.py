@@ -51,7 +51,8 @@ class LlmMetrics:
         self._tokens = self.tokens.Metric(labels={})
         self._bytes = self.bytes.Metric(labels={})
         self.saves = pb_utils.MetricFamily("kvcodec_writeback_total", "Write-back jobs after a miss, by state "
-                                           "(queued, stored, dropped: queue full, failed: the store refused)", counter)
+                                           "(queued, stored, dropped: queue full, failed: the store refused, skipped: "
+                                           "the store kept out by the write-back breaker)", counter)
         self._saves = {state: self.saves.Metric(labels={"state": state}) for state in COUNTS}
         self.pending = pb_utils.MetricFamily("kvcodec_writeback_pending", "Write-back jobs waiting or running",
                                              pb_utils.MetricFamily.GAUGE)
