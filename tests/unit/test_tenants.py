@@ -79,6 +79,21 @@ def test_an_encrypted_chunk_holds_nothing_of_its_planes_in_the_clear_and_reads_b
     assert bytes(range(256)) in plain and not parse(plain, auth).encrypted  # the setting is the writer's
 
 
+def test_a_flipped_byte_anywhere_in_an_encrypted_section_is_corrupt_not_kv():
+    """The ciphertext's digest is not recomputed on read (AES-GCM authenticates it): every altered
+    byte of every section must still be caught, as corruption (its copy is replaced on write-back)."""
+    auth = ChunkAuth(MASTER, encrypt=True)
+    data = _chunk(tenant_id("tenant-a")).to_bytes(auth)
+    body = len(data) - sum(len(s) for s in _chunk().sections.values()) - 3 * 28 - 64  # the sections' start, about
+    for at in range(body, len(data), 97):
+        altered = bytearray(data)
+        altered[at] ^= 0x01
+        with pytest.raises((CorruptChunk, ForeignChunk)) as caught:
+            parse(bytes(altered), auth)
+        if at >= len(data) - 1024:  # inside the payload's ciphertext
+            assert caught.type is CorruptChunk, at
+
+
 def test_a_tenants_key_opens_its_own_chunks_only():
     auth = ChunkAuth(MASTER, encrypt=True)
     a, b = tenant_id("tenant-a"), tenant_id("tenant-b")
