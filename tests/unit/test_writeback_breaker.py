@@ -4,8 +4,6 @@ then kept out: the jobs after it are skipped without a call until the cooldown i
 probes it; a healed store closes the breaker and write-back stores again."""
 from __future__ import annotations
 
-import numpy as np
-
 from kvcodec.connector.save import ChunkSaver
 from kvcodec.connector.sink import WriteBackSink
 from kvcodec.errors import StoreUnavailable
