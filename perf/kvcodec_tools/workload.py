@@ -273,20 +273,27 @@ def _r(x: Optional[float]) -> Optional[float]:
 
 def make_row(workload: str, method: str, bandwidth_mbps: Optional[float], restart: bool, records: Sequence[Record],
              config: dict, warmup_round_s: Optional[float] = None,
-             query_round_s: Optional[float] = None) -> dict:
-    """The row of one run. Round times default to the span of each round's records."""
+             query_round_s: Optional[float] = None, routing: str = "none", tiers: Optional[dict] = None) -> dict:
+    """The row of one run. Round times default to the span of each round's records. ``routing``: the
+    router's policy in front of several replicas (``prefix``, ``round-robin``; ``none``: one server);
+    ``tiers``: chunks the replicas' connectors reused by tier (``local``, ``remote``), and from it
+    ``local_hit_rate`` (local / both)."""
     warm = [r for r in records if r.round == "warmup"]
     query = [r for r in records if r.round == "query"]
     w, q = mean([r.ttft_s for r in warm]), mean([r.ttft_s for r in query])
     checked = [r for r in records if r.equal is not None]
     row = {"workload": workload, "method": method, "bandwidth_mbps": bandwidth_mbps,
-           "restart_between_rounds": bool(restart), "warmup_ttft_mean_s": _r(w), "query_ttft_mean_s": _r(q),
+           "restart_between_rounds": bool(restart), "routing": routing, "warmup_ttft_mean_s": _r(w), "query_ttft_mean_s": _r(q),
            "ttft_gain": _r(ttft_gain(w, q)),
            "warmup_round_s": _r(round_span(warm) if warmup_round_s is None else warmup_round_s),
            "query_round_s": _r(round_span(query) if query_round_s is None else query_round_s),
            "answers_equal": bool(checked) and len(checked) == len(records) and all(r.equal for r in checked),
            "mismatches": sum(1 for r in checked if not r.equal), "config": config,
            "requests": [r.public() for r in records]}
+    if tiers is not None:
+        both = sum(tiers.values())
+        row["tier_chunks"] = dict(tiers)
+        row["local_hit_rate"] = _r(tiers.get("local", 0) / both) if both else None
     turns = sorted({r.turn for r in records if r.turn is not None})
     if turns:
         row["ttft_by_turn"] = {str(k): _r(mean([r.ttft_s for r in records if r.turn == k])) for k in turns}
@@ -294,12 +301,13 @@ def make_row(workload: str, method: str, bandwidth_mbps: Optional[float], restar
 
 
 def row_key(row: dict) -> tuple:
-    return (row["workload"], row["method"], row.get("bandwidth_mbps"), bool(row.get("restart_between_rounds")))
+    return (row["workload"], row["method"], row.get("bandwidth_mbps"), bool(row.get("restart_between_rounds")),
+            row.get("routing", "none"))
 
 
 def merge_rows(path: Path, new: Sequence[dict]) -> List[dict]:
     """Write ``new`` into the JSON file at ``path`` (``{"rows": [...]}``), replacing a row of the same
-    (workload, method, bandwidth_mbps, restart_between_rounds) in its place and keeping the others;
+    (workload, method, bandwidth_mbps, restart_between_rounds, routing) in its place and keeping the others;
     the file's rows afterwards."""
     path = Path(path)
     rows: List[dict] = []
@@ -321,7 +329,8 @@ def merge_rows(path: Path, new: Sequence[dict]) -> List[dict]:
 
 def _label(row: dict) -> str:
     bw = "" if row.get("bandwidth_mbps") is None else f" {row['bandwidth_mbps']:g} Mbit/s"
-    return row["method"] + bw + (" restart" if row.get("restart_between_rounds") else "")
+    routed = f" {row['routing']}" if row.get("routing", "none") != "none" else ""
+    return row["method"] + bw + routed + (" restart" if row.get("restart_between_rounds") else "")
 
 
 def plot(rows: Sequence[dict], path: Path, log: Callable[[str], None] = print) -> None:

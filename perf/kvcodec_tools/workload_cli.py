@@ -4,7 +4,7 @@
     kvcodec bench workload long-doc-qa --method M (--url http://127.0.0.1:P [--target openai|ensemble] | --serve kvcodec|vllm)
         [--documents 8 --document-tokens 20000 --output-tokens 100 --repeat-count 2 --repeat-mode random
          --hit-miss 3:1 --inflight 2] [--restart-between-rounds] [--cache-salt S] [--bandwidth-mbps B]
-        [--json perf/results/workloads.json [--plot FILE]]
+        [--replicas 2 --routing prefix|round-robin] [--json perf/results/workloads.json [--plot FILE]]
     kvcodec bench workload multi-round --method M ... [--users 10 --rounds 5 --system-tokens 1000
         --user-info-tokens 0 --answer-tokens 100 --qps 0.5]
 
@@ -13,7 +13,11 @@ tritonserver's HTTP port). ``--serve``: the command starts ``vllm serve`` itself
 vLLM venv: ``.venv-vllm/bin/kvcodec``), ``kvcodec`` with the KVCodec connector on ``--store`` (default:
 a new folder of the run, so the warm-up round starts cold), ``vllm`` without it (its prefix cache
 on), and with ``--restart-between-rounds`` starts a new server between the warm-up and the query
-round. The prompts are cut to token counts with the embedded model's tokenizer. Exit status 1 when
+round. ``--replicas N`` starts N of them on the one store, each with a local tier of its own (a
+machine's), behind nginx (``services.balancer``) routing by prefix (a consistent hash of the
+``X-KVCodec-Prefix`` header every request carries) or round-robin; the row's ``routing``,
+``tier_chunks`` and ``local_hit_rate`` say how the connectors' reused chunks split between the
+local tiers and the store. The prompts are cut to token counts with the embedded model's tokenizer. Exit status 1 when
 an answer differs from prefill's (greedy), 2 on a usage or server error.
 """
 from __future__ import annotations
@@ -42,6 +46,12 @@ def _shared(p) -> None:
                    help="the model name to send (default: model for openai, kvcodec for the ensemble)")
     p.add_argument("--restart-between-rounds", action="store_true",
                    help="a new server between the warm-up and the query round (needs --serve)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="with --serve: this many vllm serve replicas behind an nginx router, each with its own "
+                        "local tier (KVCODEC_LOCAL_STORE) on the one store")
+    p.add_argument("--routing", choices=["prefix", "round-robin"], default="prefix",
+                   help="the router's policy with --replicas > 1: nginx's consistent hash of the X-KVCodec-Prefix "
+                        "header each request carries (its document's or conversation's head), or round-robin")
     p.add_argument("--cache-salt", default=None, help="the cache salt of every measured request")
     p.add_argument("--bandwidth-mbps", type=float, default=None, help="the link's rate, as recorded in the row")
     p.add_argument("--timeout-s", type=float, default=600.0, help="the limit on one request")
@@ -87,48 +97,80 @@ def _config(args):
 
 
 class _Servers:
-    """The ``vllm serve`` of ``--serve``, restarted on a new port on demand; ``stop`` ends the last one."""
+    """The ``vllm serve`` replicas of ``--serve`` (``--replicas``, each with its own local tier when
+    more than one, all on one store), behind an nginx router (``--routing``) when more than one;
+    restarted on new ports on demand (the local tiers' folders stay); ``stop`` ends them."""
 
     def __init__(self, args, model: Path, home: Path) -> None:
-        self.args, self.model, self.current = args, model, None
+        self.args, self.model, self.current, self.router = args, model, [], None
         self.root = home / f"workload-{int(time.time())}"
         store = args.store or f"file://{self.root / 'store'}"
         self.env = {"KVCODEC_HOME": str(self.root), "KVCODEC_STORE": store}
 
+    def _env(self, replica: int) -> dict:
+        if self.args.replicas == 1 or self.args.serve != "kvcodec":
+            return self.env
+        # each replica is a machine of its own: its local tier (a folder here), read before the store
+        return {**self.env, "KVCODEC_LOCAL_STORE": f"file://{self.root / f'replica-{replica}' / 'local'}"}
+
     def start(self):
         from .ports import free_ports
+        from .services.balancer import Balancer
         from .services.vllm_serve import VllmServe
         from .workload_run import OpenAITarget
 
         self.stop()
-        [port] = free_ports(1)
-        self.current = VllmServe(self.model, self.root, self.env, port, connector=self.args.serve == "kvcodec")
-        print(f"workload: starting vllm serve ({self.args.serve}) on port {port}, log {self.current.log}",
-              file=sys.stderr, flush=True)
-        self.current.start()
-        return OpenAITarget(self.current.url, self.args.served_model or "model", self.args.cache_salt,
-                            self.args.timeout_s)
+        ports = free_ports(self.args.replicas + 2)
+        for i, port in enumerate(ports[:self.args.replicas]):
+            server = VllmServe(self.model, self.root, self._env(i), port, connector=self.args.serve == "kvcodec")
+            print(f"workload: starting vllm serve ({self.args.serve}) replica {i} on port {port}, log {server.log}",
+                  file=sys.stderr, flush=True)
+            self.current.append(server.start())
+        url = self.current[0].url
+        if self.args.replicas > 1:
+            self.router = Balancer(self.root / "router", "127.0.0.1", ports[-2], ports[-1],
+                                   [(s.port, s.port) for s in self.current], timeout_s=int(self.args.timeout_s),
+                                   routing=self.args.routing, grpc=False).start()
+            url = f"http://{self.router.http_url}"
+        return OpenAITarget(url, self.args.served_model or "model", self.args.cache_salt, self.args.timeout_s)
 
     def drain(self, timeout_s: float = 180.0) -> None:
-        """Wait (at most ``timeout_s``) until the connector has no write-back job waiting or running
-        (``kvcodec_writeback_pending`` 0 on its /metrics), so a restart finds what the warm-up wrote."""
-        if self.current is None or self.args.serve != "kvcodec":
+        """Wait (at most ``timeout_s``) until the connectors have no write-back job waiting or running
+        (``kvcodec_writeback_pending`` 0 on their /metrics), so a restart finds what the warm-up wrote."""
+        if self.args.serve != "kvcodec":
             return
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if self.current.metrics().get("kvcodec_writeback_pending", 0) == 0:
-                    return
-            except OSError:
-                return
-            time.sleep(0.5)
-        print("workload: write-back still pending at the restart", file=sys.stderr, flush=True)
+        for server in self.current:
+            while time.monotonic() < deadline:
+                try:
+                    if server.metrics().get("kvcodec_writeback_pending", 0) == 0:
+                        break
+                except OSError:
+                    break
+                time.sleep(0.5)
+            else:
+                print("workload: write-back still pending at the restart", file=sys.stderr, flush=True)
+
+    def tiers(self) -> dict:
+        """Chunks the replicas reused, by tier (``kvcodec_tier_chunks_total``: local, remote), summed."""
+        out = {"local": 0, "remote": 0}
+        for server in self.current:
+            for line in server.metrics_text().splitlines():
+                if line.startswith("kvcodec_tier_chunks_total{"):
+                    name, _, value = line.rpartition(" ")
+                    tier = name.split('tier="', 1)[1].split('"', 1)[0]
+                    out[tier] = out.get(tier, 0) + int(float(value))
+        return out
 
     def stop(self) -> None:
-        if self.current is not None:
+        if self.current:
             self.drain()
-            self.current.stop()
-            self.current = None
+            for server in self.current:
+                server.stop()
+            self.current = []
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
 
 
 def cmd_workload(args) -> int:
@@ -148,6 +190,10 @@ def cmd_workload(args) -> int:
         print(f"{prefix}: --restart-between-rounds needs --serve (the command restarts only servers it started)",
               file=sys.stderr)
         return 2
+    if args.replicas < 1 or (args.replicas > 1 and not args.serve):
+        print(f"{prefix}: --replicas N (N >= 1) needs --serve (the command starts the replicas and their router)",
+              file=sys.stderr)
+        return 2
     if args.serve and args.target != "openai":
         print(f"{prefix}: --serve starts vllm serve (--target openai)", file=sys.stderr)
         return 2
@@ -165,6 +211,7 @@ def cmd_workload(args) -> int:
             target = OpenAITarget(args.url, args.served_model or "model", args.cache_salt, args.timeout_s)
         restart = servers.start if args.restart_between_rounds else None
         records, times = run(target, tokenizer, config, restart=restart, progress=not args.no_progress)
+        tiers = servers.tiers() if servers is not None and args.serve == "kvcodec" else None
     except (ValueError, WorkloadError) as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
@@ -176,8 +223,10 @@ def cmd_workload(args) -> int:
     if args.serve == "kvcodec":  # the connector's settings as the server had them (the chunk keys left out)
         details["settings"] = {k: v for k, v in {**os.environ, **servers.env}.items()
                                if k.startswith("KVCODEC_") and "KEY" not in k and k != "KVCODEC_HOME"}
+    routing = args.routing if args.replicas > 1 else "none"
+    details["replicas"] = args.replicas
     row = make_row(args.workload, args.method, args.bandwidth_mbps, args.restart_between_rounds, records, details,
-                   **times)
+                   routing=routing, tiers=tiers, **times)
     print(json.dumps(summary(row), indent=2))
     if args.json:
         rows = merge_rows(Path(args.json), [row])

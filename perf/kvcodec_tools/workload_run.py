@@ -10,6 +10,12 @@ Targets (loopback addresses only), each streamed and greedy:
   (``text_input``, ``max_tokens``, ``stream``, ``exclude_input_in_output``, ``cache_salt``); the
   reference is asked with ``reuse: false``.
 
+Prefix-aware routing: every request carries ``X-KVCodec-Prefix`` (``services.balancer.route_key``)
+of its prompt's stable prefix, its document's head for long-document QA (``ROUTE_CHARS``), its
+conversation's head (system prompt and user context) for multi-round; a router in front
+(``Balancer(routing="prefix")``: nginx's consistent hash) sends a prefix to one replica, a single
+server ignores it.
+
 TTFT is the time from a request's send to its first non-empty text. A round's requests go through
 a thread pool of ``inflight`` workers (at most that many in flight); each request has a timeout.
 The references are asked after the measured rounds, one at a time, once per distinct prompt, so
@@ -29,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from .services.balancer import ROUTE_HEADER, route_key
 from .workload import (
     LongDocConfig,
     MultiRoundConfig,
@@ -43,6 +50,7 @@ from .workload import (
 )
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ROUTE_CHARS = 1024  # a long-document QA prompt's head that names its document (a miss's differs)
 WARM_PROMPT = "Hello there, this is a warm-up request."
 
 
@@ -63,7 +71,8 @@ class Target(Protocol):
     cache salt, None for none); ``reference``: prefill's answer to the prompt, nothing reused."""
     url: str
 
-    def send(self, prompt: str, max_tokens: int, salt: Optional[str] = None) -> Answer: ...
+    def send(self, prompt: str, max_tokens: int, salt: Optional[str] = None, route: Optional[str] = None) -> Answer:
+        ...
 
     def reference(self, prompt: str, max_tokens: int) -> str: ...
 
@@ -94,9 +103,11 @@ def _events(request: urllib.request.Request, timeout_s: float):
         raise WorkloadError(f"{request.full_url}: {exc}") from None
 
 
-def _post(url: str, body: dict) -> urllib.request.Request:
-    return urllib.request.Request(url, data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+def _post(url: str, body: dict, route: Optional[str] = None) -> urllib.request.Request:
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if route is not None:
+        headers[ROUTE_HEADER] = route_key(route)
+    return urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
 
 
 class OpenAITarget:
@@ -104,7 +115,7 @@ class OpenAITarget:
                  timeout_s: float = 600.0) -> None:
         self.url, self.model, self.cache_salt, self.timeout_s = check_loopback(url), model, cache_salt, timeout_s
 
-    def send(self, prompt: str, max_tokens: int, salt: Optional[str] = None) -> Answer:
+    def send(self, prompt: str, max_tokens: int, salt: Optional[str] = None, route: Optional[str] = None) -> Answer:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
         salt = salt if salt is not None else self.cache_salt
@@ -113,7 +124,8 @@ class OpenAITarget:
         from .services.vllm_serve import completion_stream
 
         t0 = time.perf_counter()
-        ttft, text, cached = completion_stream(_events(_post(f"{self.url}/v1/completions", body), self.timeout_s), t0)
+        ttft, text, cached = completion_stream(_events(_post(f"{self.url}/v1/completions", body, route), self.timeout_s),
+                                               t0)
         return Answer(ttft, text, cached, time.perf_counter() - t0)
 
     def reference(self, prompt: str, max_tokens: int) -> str:
@@ -125,14 +137,15 @@ class EnsembleTarget:
                  timeout_s: float = 600.0) -> None:
         self.url, self.model, self.cache_salt, self.timeout_s = check_loopback(url), model, cache_salt, timeout_s
 
-    def _stream(self, prompt: str, max_tokens: int, extra: dict) -> Answer:
+    def _stream(self, prompt: str, max_tokens: int, extra: dict, route: Optional[str] = None) -> Answer:
         body = {"text_input": prompt, "max_tokens": max_tokens, "stream": True, "exclude_input_in_output": True,
                 **extra}
         if self.cache_salt:
             body["cache_salt"] = self.cache_salt
         t0 = time.perf_counter()
         ttft, texts, reused = None, [], None
-        for event in _events(_post(f"{self.url}/v2/models/{self.model}/generate_stream", body), self.timeout_s):
+        for event in _events(_post(f"{self.url}/v2/models/{self.model}/generate_stream", body, route),
+                             self.timeout_s):
             text = event.get("text_output") or ""
             if isinstance(text, list):
                 text = "".join(text)
@@ -145,8 +158,8 @@ class EnsembleTarget:
         elapsed = time.perf_counter() - t0
         return Answer(elapsed if ttft is None else ttft, "".join(texts), reused, elapsed)
 
-    def send(self, prompt: str, max_tokens: int, salt: Optional[str] = None) -> Answer:
-        return self._stream(prompt, max_tokens, {"cache_salt": salt} if salt else {})
+    def send(self, prompt: str, max_tokens: int, salt: Optional[str] = None, route: Optional[str] = None) -> Answer:
+        return self._stream(prompt, max_tokens, {"cache_salt": salt} if salt else {}, route)
 
     def reference(self, prompt: str, max_tokens: int) -> str:
         return self._stream(prompt, max_tokens, {"reuse": False}).text
@@ -167,7 +180,7 @@ def run_round(target: Target, name: str, items: Sequence[Tuple[str, dict]], max_
         def one(item: Tuple[str, dict]) -> Record:
             prompt, fields = item
             start = time.perf_counter() - t0
-            answer = target.send(prompt, max_tokens)
+            answer = target.send(prompt, max_tokens, route=prompt[:ROUTE_CHARS])
             bar.update(1)
             return Record(round=name, start_s=start, ttft_s=answer.ttft_s, end_s=start + answer.elapsed_s,
                           cached_tokens=answer.cached_tokens, text=answer.text, prompt=prompt, **fields)
@@ -257,7 +270,7 @@ def _user_turns(target: Target, turns: Sequence[Tuple[float, int, int]], t0: flo
         time.sleep(max(0.0, t0 + at - time.perf_counter()))
         prompt = conversation_prompt(head, "", answers)
         start = time.perf_counter() - t0
-        answer = target.send(prompt, answer_tokens)
+        answer = target.send(prompt, answer_tokens, route=head)
         answers.append(answer.text)
         out.append(Record(round="warmup" if turn == 1 else "query", start_s=start, ttft_s=answer.ttft_s,
                           end_s=start + answer.elapsed_s, cached_tokens=answer.cached_tokens, user=user, turn=turn,

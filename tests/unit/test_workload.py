@@ -143,6 +143,10 @@ def test_row_fields_and_ttft_gain():
              _rec("query", 1.5, turn=3)]
     chat = make_row("multi-round", "vllm", None, True, turns, {})
     assert chat["ttft_by_turn"] == {"1": 2.0, "2": 1.0, "3": 1.0} and chat["ttft_gain"] == 2.0
+    assert chat["routing"] == "none" and "local_hit_rate" not in chat  # one server, no tiers counted
+    routed = make_row("long-doc-qa", "kvcodec", None, True, records, {}, routing="prefix",
+                      tiers={"local": 6, "remote": 2})
+    assert routed["routing"] == "prefix" and routed["local_hit_rate"] == 0.75 and routed["tier_chunks"]["local"] == 6
 
 
 def test_json_rows_replace_their_own_and_keep_the_others(tmp_path):
@@ -154,6 +158,9 @@ def test_json_rows_replace_their_own_and_keep_the_others(tmp_path):
     a2 = dict(a, query_ttft_mean_s=0.5)
     rows = merge_rows(path, [a2])
     assert [r["query_ttft_mean_s"] for r in rows] == [0.5, 2.0, 1.0]
+    routed = dict(b, routing="round-robin")  # the same run behind a router: a row of its own
+    rows = merge_rows(path, [routed])
+    assert [r.get("routing") for r in rows] == ["none", "none", "none", "round-robin"]
     assert json.loads(path.read_text())["rows"] == rows
     plot(rows, tmp_path / "workloads.png", log=lambda m: None)
     assert (tmp_path / "workloads.png").read_bytes()[:4] == b"\x89PNG"
@@ -168,6 +175,7 @@ class FakeServer:
 
     def __init__(self, wrong: bool = False) -> None:
         self.wrong, self.seen, self.bodies, self.inflight, self.max_inflight = wrong, set(), [], 0, 0
+        self.routes = []  # (the X-KVCodec-Prefix header, the prompt) of each request
         self.lock = threading.Lock()
         server = self
 
@@ -179,6 +187,7 @@ class FakeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
                     server.bodies.append(body)
+                    server.routes.append((self.headers.get("X-KVCodec-Prefix"), body.get("prompt", body.get("text_input"))))
                     server.inflight += 1
                     server.max_inflight = max(server.max_inflight, server.inflight)
                 prompt = body.get("prompt", body.get("text_input"))

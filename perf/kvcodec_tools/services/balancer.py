@@ -2,7 +2,9 @@
 
 ``backends``: ``(http_port, grpc_port)`` of each server (on ``backend_host``). The balancer listens on
 two ports of its own: HTTP/1.1 (``proxy_pass`` to an upstream of the servers' HTTP ports) and gRPC
-(``listen ... http2``, ``grpc_pass`` to an upstream of their gRPC ports), round-robin per request.
+(``listen ... http2``, ``grpc_pass`` to an upstream of their gRPC ports; ``grpc=False``: none, for
+servers that speak HTTP only, as ``vllm serve``), round-robin per request, or with
+``routing="prefix"`` by nginx's consistent hash of the ``X-KVCodec-Prefix`` header (``route_key``).
 Responses stream through unbuffered (a decoupled model's ``generate_stream`` / gRPC stream sends a
 response per token), with read timeouts of ``timeout_s``; request bodies of any size.
 
@@ -42,14 +44,10 @@ http {{
     scgi_temp_path {run}/scgi;
 
     upstream triton_http {{
-{http_servers}
+{route}{http_servers}
         keepalive 32;
     }}
-    upstream triton_grpc {{
-{grpc_servers}
-        keepalive 32;
-    }}
-
+{grpc_upstream}
     server {{
         listen {host}:{http_port}{ssl};
 {tls}
@@ -64,6 +62,15 @@ http {{
         }}
     }}
 
+{grpc_server}}}
+"""
+GRPC_UPSTREAM = """\
+    upstream triton_grpc {{
+{route}{grpc_servers}
+        keepalive 32;
+    }}
+"""
+GRPC_SERVER = """\
     server {{
         listen {host}:{grpc_port}{ssl} http2;
 {tls}
@@ -73,8 +80,22 @@ http {{
             grpc_send_timeout {timeout_s}s;
         }}
     }}
-}}
 """
+# Prefix-aware routing: nginx's consistent hash on the header a client sets to a hash of its
+# prompt's stable prefix (the document, the conversation's head): requests for one prefix reach
+# the replica that holds it (its engine cache, its local tier); a request without the header goes
+# round-robin (nginx's hash falls back to it on an empty key). Adding or removing a replica moves
+# only the prefixes of its share of the ring (``consistent``: ketama).
+ROUTE_HEADER = "X-KVCodec-Prefix"
+ROUTINGS = ("round-robin", "prefix")
+ROUTE = "        hash $http_x_kvcodec_prefix consistent;\n"
+
+
+def route_key(prefix: str) -> str:
+    """The value of ``ROUTE_HEADER`` for a prompt whose stable prefix is ``prefix``."""
+    import hashlib
+
+    return hashlib.sha256(prefix.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -96,9 +117,12 @@ class BalancerTls:
 class Balancer:
     def __init__(self, root: Path, host: str, http_port: int, grpc_port: int, backends: Sequence[Tuple[int, int]],
                  backend_host: str = "127.0.0.1", timeout_s: int = 600, wrap: Wrap = None,
-                 tls: Optional[BalancerTls] = None) -> None:
+                 tls: Optional[BalancerTls] = None, routing: str = "round-robin", grpc: bool = True) -> None:
         if not backends:
             raise ServiceError("a balancer needs at least one backend (http_port, grpc_port)")
+        if routing not in ROUTINGS:
+            raise ServiceError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+        self.routing, self.grpc = routing, grpc
         self.root, self.host = Path(root).resolve(), host
         self.http_port, self.grpc_port = int(http_port), int(grpc_port)
         self.backends: List[Tuple[int, int]] = [(int(h), int(g)) for h, g in backends]
@@ -115,9 +139,13 @@ class Balancer:
         user = user_line()
         servers = {k: "\n".join(f"        server {self.backend_host}:{ports[i]};" for ports in self.backends)
                    for i, k in enumerate(("http_servers", "grpc_servers"))}
-        return CONF.format(user=user, run=self.root, host=self.host, http_port=self.http_port,
-                           grpc_port=self.grpc_port, timeout_s=self.timeout_s, ssl=" ssl" if self.tls else "",
-                           tls=self.tls.directives() if self.tls else "", **servers)
+        fields = dict(user=user, run=self.root, host=self.host, http_port=self.http_port, grpc_port=self.grpc_port,
+                      timeout_s=self.timeout_s, ssl=" ssl" if self.tls else "",
+                      tls=self.tls.directives() if self.tls else "", route=ROUTE if self.routing == "prefix" else "",
+                      **servers)
+        grpc = self.grpc
+        return CONF.format(grpc_upstream=GRPC_UPSTREAM.format(**fields) if grpc else "",
+                           grpc_server=GRPC_SERVER.format(**fields) if grpc else "", **fields)
 
     def start(self, timeout_s: float = 15.0) -> "Balancer":
         if self._process and self._process.alive():
@@ -125,8 +153,8 @@ class Balancer:
         self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "nginx.conf"
         conf.write_text(self.config())
-        self._process = start_nginx("nginx balancer", self.root, conf, self.host, [self.http_port, self.grpc_port],
-                                    self.wrap, timeout_s)
+        ports = [self.http_port, self.grpc_port] if self.grpc else [self.http_port]
+        self._process = start_nginx("nginx balancer", self.root, conf, self.host, ports, self.wrap, timeout_s)
         return self
 
     def stop(self) -> None:
