@@ -40,9 +40,11 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+from .routing import ROUTE_HEADER, route_key
 
 MODEL = "kvcodec"
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
@@ -158,7 +160,11 @@ class KVCodecClient:
         self.fallback_s = fallback_s
 
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int, reuse: bool = True,
-                 codecs: Optional[str] = None, cache_salt: Optional[str] = None, **sampling: Any) -> GenerateResult:
+                 codecs: Optional[str] = None, cache_salt: Optional[str] = None,
+                 route: Optional[Union[str, Sequence[int]]] = None, **sampling: Any) -> GenerateResult:
+        """``route``: the prompt's stable head (a text or token ids: the document, the conversation's
+        head); the request then carries ``X-KVCodec-Prefix`` (``routing.route_key``) for a
+        prefix-aware router in front of several servers (gRPC: as metadata)."""
         unknown = set(sampling) - set(SAMPLING)
         if unknown:
             raise ValueError(f"unknown sampling input(s): {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING)})")
@@ -167,7 +173,7 @@ class KVCodecClient:
         while True:
             try:
                 result = self._once(request_inputs(prompt, max_tokens, reuse and not failures, codecs, sampling,
-                                                   cache_salt))
+                                                   cache_salt), route)
             except ClientError as exc:
                 if not exc.retryable or self.fallback_s <= 0:
                     raise
@@ -186,17 +192,18 @@ class KVCodecClient:
                                                    "reuse": False}
             return result
 
-    def _once(self, inputs) -> GenerateResult:
+    def _once(self, inputs, route=None) -> GenerateResult:
+        headers = {} if route is None else {ROUTE_HEADER: route_key(route)}
         try:
             if self.protocol == "grpc":
-                return self._grpc(inputs)
-            return self._http(inputs)
+                return self._grpc(inputs, {k.lower(): v for k, v in headers.items()})  # gRPC metadata: lower case
+            return self._http(inputs, headers)
         except ssl.SSLError as exc:  # a handshake refused: asking again would not change it
             raise ClientError(f"TLS: {exc}", "tls") from exc
         except (ConnectionError, http.client.HTTPException, socket.gaierror) as exc:
             raise ClientError(f"{type(exc).__name__}: {exc}", CONNECTION) from exc
 
-    def _grpc(self, request) -> GenerateResult:
+    def _grpc(self, request, headers: Dict[str, str]) -> GenerateResult:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -211,7 +218,7 @@ class KVCodecClient:
         client = grpcclient.InferenceServerClient(self.url, **secure)
         try:
             try:
-                client.start_stream(callback=lambda result, error: events.put((result, error)))
+                client.start_stream(callback=lambda result, error: events.put((result, error)), headers=headers or None)
                 collector = _Collector()
                 client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
             except InferenceServerException as exc:
@@ -243,7 +250,7 @@ class KVCodecClient:
             client.stop_stream()
             client.close()
 
-    def _http(self, request) -> GenerateResult:
+    def _http(self, request, headers: Dict[str, str]) -> GenerateResult:
         host, _, port = self.url.partition(":")
         body = json.dumps({name: _json_value(name, array) for name, array, _ in request})
         conn = (http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s) if self.tls is None else
@@ -252,7 +259,7 @@ class KVCodecClient:
         try:
             collector = _Collector()
             conn.request("POST", f"/v2/models/{MODEL}/generate_stream", body=body,
-                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                         headers={"Content-Type": "application/json", "Accept": "text/event-stream", **headers})
             response = conn.getresponse()
             if response.status != 200:
                 raise ClientError(_error_text(response.read()), str(response.status))

@@ -10,7 +10,7 @@ Targets (loopback addresses only), each streamed and greedy:
   (``text_input``, ``max_tokens``, ``stream``, ``exclude_input_in_output``, ``cache_salt``); the
   reference is asked with ``reuse: false``.
 
-Prefix-aware routing: every request carries ``X-KVCodec-Prefix`` (``services.balancer.route_key``)
+Prefix-aware routing: every request carries ``X-KVCodec-Prefix`` (``kvcodec_client.route_key``)
 of its prompt's stable prefix, its document's head for long-document QA (``ROUTE_CHARS``), its
 conversation's head (system prompt and user context) for multi-round; a router in front
 (``Balancer(routing="prefix")``: nginx's consistent hash) sends a prefix to one replica, a single
@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from .services.balancer import ROUTE_HEADER, route_key
+from kvcodec_client.routing import ROUTE_HEADER, route_key
+
 from .workload import (
     LongDocConfig,
     MultiRoundConfig,

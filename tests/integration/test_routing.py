@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from kvcodec_client import route_key
 from kvcodec_tools.ports import free_ports
-from kvcodec_tools.services.balancer import Balancer, route_key
+from kvcodec_tools.services.balancer import Balancer
 from kvcodec_tools.workload import LongDocConfig
 from kvcodec_tools.workload_run import ROUTE_CHARS, OpenAITarget, run_long_doc_qa
 from tests.unit.test_workload import FakeServer, Words

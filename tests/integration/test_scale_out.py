@@ -183,3 +183,28 @@ def test_the_balancer_spreads_requests_and_each_server_keeps_its_cost_model(depl
     assert all(p.is_file() for p in costs), costs
     assert costs[0].resolve() != costs[1].resolve()
     assert all(p.stat().st_size > 0 for p in costs)
+
+
+def test_a_prefix_router_sends_one_prompt_head_to_one_server_over_grpc_and_http(deployment, tokenizer, tmp_path):
+    """nginx's consistent hash of ``X-KVCodec-Prefix`` (``Balancer(routing="prefix")``), which
+    ``KVCodecClient.generate(route=...)`` sets (gRPC: as metadata): every request with one head lands
+    on one server; heads spread over both (without the header, the round-robin balancer above
+    spreads one prompt's requests over both)."""
+    _, servers, _, _ = deployment
+    http, grpc = free_ports(2)
+    heads = [tokenizer.encode(text_of(tokenizer, name, 120)) for name in ("fnmatch.py", "shlex.py", "calendar.py",
+                                                                           "textwrap.py", "glob.py", "getopt.py")]
+    question, landed = tokenizer.encode(QUESTION), {}
+    with Balancer(tmp_path / "router", "127.0.0.1", http, grpc, [(s.ports.http, s.ports.grpc) for s in servers],
+                  routing="prefix") as router:
+        for protocol, address in (("grpc", router.grpc_url), ("http", router.http_url)):
+            client = KVCodecClient(address, protocol)
+            for i, head in enumerate(heads):
+                before = [successes(s) for s in servers]
+                for _ in range(3):
+                    client.generate(head + question, 1, reuse=False, route=head)
+                grew = [x > y for x, y in zip((successes(s) for s in servers), before, strict=True)]
+                assert sum(grew) == 1, (protocol, i, grew)  # all three on one server
+                landed[(protocol, i)] = grew.index(True)
+    for protocol in ("grpc", "http"):
+        assert {landed[(protocol, i)] for i in range(len(heads))} == {0, 1}, landed  # heads spread over both

@@ -354,3 +354,19 @@ def test_every_metric_a_rule_or_panel_reads_is_exported():
     assert not missing, missing
     assert {"kvcodec_store_breaker_state", "kvcodec_misses_total", "kvcodec_requests_total",
             "kvcodec_writeback_total", "kvcodec_decoder_selftest_passed"} <= used
+
+
+def test_the_prefix_router_config_is_valid_nginx_and_hashes_the_clients_header(tmp_path):
+    """deploy/router/nginx-prefix.conf passes ``nginx -t`` and hashes the header the client library
+    sends (``kvcodec_client.ROUTE_HEADER``), consistently."""
+    from kvcodec_client import ROUTE_HEADER
+
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx is None:
+        pytest.skip("nginx is not installed (.ci/install-services)")
+    conf = DEPLOY / "router" / "nginx-prefix.conf"
+    (tmp_path / "logs").mkdir()
+    done = _run(nginx, "-t", "-p", tmp_path, "-c", conf, "-e", "stderr", "-g", f"pid {tmp_path / 'nginx.pid'};")
+    assert done.returncode == 0, done.stderr
+    variable = "$http_" + ROUTE_HEADER.lower().replace("-", "_")
+    assert f"hash {variable} consistent;" in conf.read_text()

@@ -4,7 +4,7 @@
 two ports of its own: HTTP/1.1 (``proxy_pass`` to an upstream of the servers' HTTP ports) and gRPC
 (``listen ... http2``, ``grpc_pass`` to an upstream of their gRPC ports; ``grpc=False``: none, for
 servers that speak HTTP only, as ``vllm serve``), round-robin per request, or with
-``routing="prefix"`` by nginx's consistent hash of the ``X-KVCodec-Prefix`` header (``route_key``).
+``routing="prefix"`` by nginx's consistent hash of the ``X-KVCodec-Prefix`` header (``kvcodec_client.route_key``).
 Responses stream through unbuffered (a decoupled model's ``generate_stream`` / gRPC stream sends a
 response per token), with read timeouts of ``timeout_s``; request bodies of any size.
 
@@ -86,16 +86,8 @@ GRPC_SERVER = """\
 # the replica that holds it (its engine cache, its local tier); a request without the header goes
 # round-robin (nginx's hash falls back to it on an empty key). Adding or removing a replica moves
 # only the prefixes of its share of the ring (``consistent``: ketama).
-ROUTE_HEADER = "X-KVCodec-Prefix"
 ROUTINGS = ("round-robin", "prefix")
-ROUTE = "        hash $http_x_kvcodec_prefix consistent;\n"
-
-
-def route_key(prefix: str) -> str:
-    """The value of ``ROUTE_HEADER`` for a prompt whose stable prefix is ``prefix``."""
-    import hashlib
-
-    return hashlib.sha256(prefix.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+ROUTE = "        hash $http_x_kvcodec_prefix consistent;\n"  # the header: kvcodec_client.ROUTE_HEADER
 
 
 @dataclass(frozen=True)
