@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
 
 from kvcodec.connector import LoadSession, SchedulerCore  # noqa: E402
+from kvcodec.connector.handoff import Offer  # noqa: E402
+from kvcodec.connector.standalone import OwnOffers  # noqa: E402
 from kvcodec.engines import vllm_connector as vc  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -27,7 +29,7 @@ def scheduler_half() -> "vc.KVCodecConnector":
 
 def ask(half, session, defer=False, prompt=600):
     rid = f"r{id(session)}"
-    vc.HANDOFF.post(rid, vc.Offer(session=session, chunk_tokens=C, defer=defer))
+    vc.HANDOFF.post(rid, Offer(session=session, chunk_tokens=C, defer=defer))
     try:
         return half.get_num_new_matched_tokens(SimpleNamespace(request_id=rid + "-abcdefgh",
                                                                prompt_token_ids=list(range(prompt))), 0)
@@ -61,6 +63,8 @@ class _Reads:
 
         self.started, self.session = [], session
         self.reading = SimpleNamespace(ready=threading.Event(), session=session)
+        self.fetcher = SimpleNamespace(calls=SimpleNamespace(snapshot=lambda: {  # StoreCalls.snapshot()
+            "breaker": "closed", "opened": 0, "threads": 1, "running": 0, "queued": 0, "abandoned": 0}))
 
     def start(self, ids, salt=""):  # ReadPath.start(ids, salt)
         self.started.append(list(ids))
@@ -69,10 +73,7 @@ class _Reads:
 
 def standalone_half(session, sink=None):
     half = scheduler_half()
-    alone = object.__new__(vc.Standalone)
-    alone.chunk_tokens, alone.reads, alone.sink, alone._reading = C, _Reads(session), sink, {}
-    alone.counters = {"requests": 0, "local_tokens": 0, "remote_reads": 0}
-    alone.metrics = vc.vllm_metrics.ConnectorMetrics()
+    alone = OwnOffers(_Reads(session), sink, vc.HANDOFF, C, vc.vllm_metrics.ConnectorMetrics())
     half.standalone = alone
     return half, alone
 

@@ -13,15 +13,24 @@ the connector's scheduler and worker halves read it under the name the engine gi
 
 ``HandOff`` also carries one process-wide value an engine's worker registers and its scheduler
 reads: ``pages`` (the engine's ``KVPages``, set by the worker's ``register_kv_caches``).
+
+``Offer``: what is posted for one request (its load session, its write-back sink, whether to defer),
+and what the connector reports back on it (tokens promised and loaded, time spent, chunks saved);
+``Offer.saver()`` is the sink the worker hands the request's saved chunks to, counting them.
 """
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .session import LoadSession
+from .worker import SaveSink
 
 
 def prompt_key(ids: Sequence[int], salt: str = "") -> str:
@@ -62,3 +71,35 @@ class HandOff:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+
+@dataclass
+class Offer:
+    """What the ``llm`` step (or the connector itself) offers the connector for one request."""
+
+    session: Optional[LoadSession] = None  # the restored chunks of the prompt's first tokens
+    chunk_tokens: int = 256
+    save: Optional[SaveSink] = None  # receives the prompt's full chunks not served from the session
+    promised_tokens: int = 0  # filled in by the connector
+    loaded_tokens: int = 0
+    asynchronous: bool = False
+    defer: bool = False  # chunks still coming: ask again later, load once they are in (no asynchronous load)
+    load_s: float = 0.0
+    save_s: float = 0.0
+    saved_chunks: int = 0
+    own: bool = False  # made by the connector itself (standalone): it removes it when the request ends
+
+    def saver(self) -> Optional[SaveSink]:
+        """``save``, timed and counted into ``save_s`` and ``saved_chunks``; None without one."""
+        if self.save is None:
+            return None
+
+        def sink(chunks) -> int:
+            t = time.perf_counter()
+            accepted = self.save(chunks)
+            self.save_s += time.perf_counter() - t
+            accepted = len(chunks) if accepted is None else accepted
+            self.saved_chunks += accepted
+            return accepted
+
+        return sink

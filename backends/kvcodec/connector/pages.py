@@ -25,7 +25,9 @@ attention stores K transposed). The constructors recognize the engines' layouts:
   blocks), raises ``Unsupported`` naming the shape.
 - ``from_trtllm(pool, num_layers, kv_heads, tokens_per_block, head_dim)``: TensorRT-LLM's primary
   pool ``[num_blocks, num_layers, 2, kv_heads*tokens_per_block*head_dim]``, the last dim laid out
-  ``[kv_heads, tokens_per_block, head_dim]`` (HND).
+  ``[kv_heads, tokens_per_block, head_dim]`` (HND). ``from_trtllm_pool(pool, num_layers, kv_heads,
+  head_dim, tokens_per_block=None)`` reads the block size off the pool and refuses a dtype other
+  than ``POOL_DTYPES``.
 
 Token position ``p`` of a request (counted from the start of its block list) lives in block
 ``block_ids[p // block_size]``, slot ``p % block_size``:
@@ -50,6 +52,7 @@ import torch
 from ..errors import Unsupported
 
 LAYOUTS = ("cpu_attn", "token_kv", "flash_attn", "flashinfer")
+POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what a connector writes (no quantized KV)
 
 
 KV = Tuple[torch.Tensor, torch.Tensor]  # a layer's K and V views, [num_blocks, kv_heads, block_size, head_dim]
@@ -159,6 +162,25 @@ class KVPages:
                               "the last dim must be contiguous")
         hnd = pool.unflatten(-1, (kv_heads, tokens_per_block, head_dim))  # [blocks, layers, 2, H, N, D]
         return cls([(hnd[:, layer, 0], hnd[:, layer, 1]) for layer in range(num_layers)])
+
+    @classmethod
+    def from_trtllm_pool(cls, pool: torch.Tensor, num_layers: int, kv_heads: int, head_dim: int,
+                         tokens_per_block: Optional[int] = None) -> "KVPages":
+        """``from_trtllm`` with the block size read off the pool (checked against ``tokens_per_block``
+        where the engine's config says it) and its dtype checked: float16, bfloat16 or float32 (a
+        quantized pool needs its scales, which no rung carries)."""
+        per_token = kv_heads * head_dim
+        if pool.dim() != 4 or tuple(pool.shape[1:3]) != (num_layers, 2) or pool.shape[-1] % per_token:
+            raise Unsupported(f"TensorRT-LLM KV pool {tuple(pool.shape)} does not fit the model: expected "
+                              f"[num_blocks, {num_layers}, 2, {kv_heads}*tokens_per_block*{head_dim}]")
+        found = pool.shape[-1] // per_token
+        if tokens_per_block is not None and tokens_per_block != found:
+            raise Unsupported(f"TensorRT-LLM KV pool {tuple(pool.shape)} has {found} tokens a block, its config "
+                              f"says {tokens_per_block}")
+        if pool.dtype not in POOL_DTYPES:
+            raise Unsupported(f"TensorRT-LLM KV cache dtype {pool.dtype}: the connector writes float16, bfloat16 "
+                              "or float32 (not quantized KV)")
+        return cls.from_trtllm(pool, num_layers, kv_heads, found, head_dim)
 
     # -- geometry ----------------------------------------------------------------------------
     @property

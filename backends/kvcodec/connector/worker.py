@@ -17,6 +17,11 @@ translates its engine's calls to these; the pool is the engine's own memory seen
     on ``stream`` after the writes says the device is past them: the engine's stream may run a
     whole forward behind the host, and a chunk freed before its copy ran would give its memory
     (the caching allocator's, on another stream) to the next staged prompt's bytes.
+``load_or_defer(load, stream=None, request_id=None, tokens=0)`` / ``raise_deferred()``
+    For an engine whose load call must never raise (TensorRT-LLM 1.2: a raise there ends its
+    executor): ``load_now``, or, for a load that is gone (None) or fails, the reason logged and kept;
+    ``raise_deferred`` raises them all as one ``LoadFailed`` later, where the engine fails the
+    step's requests instead (its forward's layer hook).
 ``begin(load)``
     An asynchronous load (or a synchronous one whose writes may still be in flight): the load is
     followed until it is loaded; its session writes the chunks as they arrive.
@@ -141,6 +146,7 @@ class WorkerCore:
         self.pages: Optional[KVPages] = None
         self.inflight = InFlight()
         self._loading: Dict[Hashable, Load] = {}
+        self._deferred: List[str] = []  # loads that failed where the engine cannot be told (load_or_defer)
         self.counters = {"loads": 0, "loaded_tokens": 0, "short_loads": 0, "saved_chunks": 0, "dropped_chunks": 0,
                          "save_copy_s": 0.0}
 
@@ -167,6 +173,25 @@ class WorkerCore:
             raise LoadFailed(f"request {load.request_id}: wrote {written - load.start} of {load.tokens} promised "
                              f"tokens ({load.session.reason or 'chunks missing'})")
         return written - load.start
+
+    def load_or_defer(self, load: Optional[Load], stream=None, request_id: Hashable = None, tokens: int = 0) -> None:
+        if load is None:
+            return self._defer(f"request {request_id}: promised {tokens} tokens whose KV is gone")
+        try:
+            self.load_now(load, stream)
+        except Exception as exc:  # LoadFailed, or anything else a write raised
+            self._defer(str(exc) if isinstance(exc, LoadFailed) else
+                        f"request {load.request_id}: loading its promised tokens failed: {exc}")
+
+    def _defer(self, message: str) -> None:
+        log.error("kvcodec connector: %s; the forward's requests are failed rather than computed over stale "
+                  "blocks", message)
+        self._deferred.append(message)
+
+    def raise_deferred(self) -> None:
+        if self._deferred:
+            failed, self._deferred = self._deferred, []
+            raise LoadFailed("; ".join(failed))
 
     def begin(self, load: Load) -> None:
         self._loading[load.request_id] = load

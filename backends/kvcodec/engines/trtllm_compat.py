@@ -103,6 +103,23 @@ def kv_connector_config(module: str):
                                   connector_worker_class="KVCodecWorker")
 
 
+def check_pool_args(llm_args: Any) -> None:
+    """``Unsupported`` for what the connector cannot write into: tensor or pipeline parallelism, a
+    host (secondary) pool (block ids may then name blocks outside the primary pool), an attention
+    backend other than TRTLLM (FlashInfer and vanilla view blocks token-major)."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if int(getattr(llm_args, name, 1) or 1) != 1:
+            raise Unsupported(f"{name} {getattr(llm_args, name)}: the connector needs every layer and head on one rank")
+    host_cache = getattr(getattr(llm_args, "kv_cache_config", None), "host_cache_size", None)
+    if host_cache:
+        raise Unsupported(f"kv_cache_config.host_cache_size {host_cache}: with a host (secondary) KV pool block ids "
+                          "may name blocks outside the primary pool the connector writes; leave host_cache_size "
+                          "unset (0) with this connector")
+    backend = str(getattr(llm_args, "attn_backend", "TRTLLM") or "TRTLLM")
+    if backend.upper() != "TRTLLM":
+        raise Unsupported(f"attention backend {backend}: the connector writes the TRTLLM backend's block layout")
+
+
 def tokens_per_block(llm_args: Any) -> Optional[int]:
     value = getattr(getattr(llm_args, "kv_cache_config", None), "tokens_per_block", None)
     return int(value) if value else None

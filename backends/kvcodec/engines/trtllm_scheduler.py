@@ -1,30 +1,18 @@
 """TensorRT-LLM's connector, scheduler half (rank 0, on the executor's thread): translates its calls
-to ``connector.SchedulerCore``; never blocks.
+to ``connector.SchedulerCore``; never blocks. Why each answer is what it is, read in TensorRT-LLM's
+source: docs/deploy-trtllm.md ("Which variant", "Versions").
 
-Per new context request TensorRT-LLM calls ``get_num_new_matched_tokens(request, num_computed_tokens)``
-on its executor thread (inside C++ ``addSequence``; on main under the radix-tree mutex): every
-generation in flight waits for the answer. So it comes from the ``Stage`` alone (one hash pass over
-the prompt and a dict look-up): the longest staged prefix of the prompt, block-aligned after the
-device's own prefix hit, one prompt token left. TensorRT-LLM has no way to be told that a load
-failed or to take a promise back, so only what cannot fail is promised: KV already staged in the
-pool's dtype, on its device, in the model's shape (``trtllm_shared.fits``), as a synchronous load,
-``(n, False)``: the worker writes it in ``start_load_kv`` of the same step, on the step's stream,
-before the forward (LMCache's TensorRT-LLM adapter loads there too). No request is ever parked, so
-none can be left parked. A prompt with nothing staged gets ``(0, False)`` and is computed; in the
-stock deployment (``prefetch``) its stored prefix is read into the stage in the background
-(``trtllm_prefetch``) for the prompts that follow.
-
-``update_state_after_alloc(request, block_ids)`` hands the accepted load to the worker (the shared
-``loads``; the step's metadata names it). Saves: the core names, in the step whose forward completes
-them, the prompt's full chunks past what the store gave or the device held; the metadata carries
-them (and the prompt's ids, for the keys) to the worker. A request's first ``computed_position``
-leaves out the tokens matched in the same step (``KvCacheConnectorSchedulerOutputManager.
-build_scheduler_output`` subtracts its ``external_loads``, reset every step), though its context
-position already counts them (``setPrepopulatedPromptLen(prepopulated + numConnectorMatchedTokens)``
-in ``kvCacheManager.cpp``): they are added back for that step only. (After an asynchronous load they
-would already be counted, since the parked request is left out of the step that matched it; adding
-them then fired saves a step early over blocks not yet computed.) Warm-up and padding dummies are
-ignored.
+- ``get_num_new_matched_tokens`` (inside C++ ``addSequence``: generations wait for it) answers from
+  the ``Stage`` alone: the longest staged prefix, block-aligned after the device's own hit, one
+  prompt token left. Only what cannot fail is promised (KV staged in the pool's dtype, device and
+  shape: ``trtllm_shared.fits``), synchronously, ``(n, False)``: TensorRT-LLM cannot be told of a
+  failed load. A prompt with nothing staged gets ``(0, False)``; with ``prefetch`` its stored
+  prefix is read into the stage in the background (``trtllm_prefetch``) for the prompts after it.
+- ``update_state_after_alloc`` hands the load to the worker (the shared ``loads``);
+  ``build_connector_meta`` names the step's loads and the saves the core says the forward completes.
+  A new request's ``computed_position`` leaves out the tokens matched in the same step
+  (``build_scheduler_output`` subtracts ``external_loads``): they are added back for that step only.
+  Warm-up and padding dummies are ignored.
 """
 from __future__ import annotations
 

@@ -1,49 +1,20 @@
-"""vLLM's KV connector (``KVConnectorBase_V1``) over the engine-neutral core (``kvcodec.connector``).
+"""vLLM's KV connector (``KVConnectorBase_V1``) over the engine-neutral core (``kvcodec.connector``);
+call by call: docs/development/connectors.md.
 
-How restored KV reaches vLLM's paged cache: an in-process hand-off (``connector.HandOff``). The
-``llm`` step hosts the vLLM engine in its own process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-(scheduler, worker and model runner in one process, on the CPU build and on a one-GPU build alike).
-Before it adds a request to the engine it posts an ``Offer`` under the request id: the request's
-``LoadSession`` (the restored chunks, arriving while the request waits), whether to save the
-prompt's new full chunks (write-back) and where to send them. The connector's two halves read it:
+Restored KV reaches vLLM's paged cache through an in-process hand-off (``connector.HandOff``):
+an ``Offer`` per request (its ``LoadSession``, its write-back sink) is posted by the ensemble's
+``llm`` step (``kv_connector_extra_config`` ``{"kvcodec.offers": "ensemble"}``) or, in ``vllm
+serve``, made by the scheduler half itself (``connector.standalone.OwnOffers``; settings from
+``kv_connector_extra_config`` or ``KVCODEC_*``, the model vLLM's local folder).
 
-- scheduler side: ``get_num_new_matched_tokens`` answers from the session: the tokens it can still
-  deliver (``bound_tokens``: the plan, cut at a chunk known to have failed; block-aligned, one
-  prompt token left: ``connector.plan.matched_tokens``). A session already settled loads
-  synchronously (``(n, False)``); one whose chunks are still coming loads asynchronously
-  (``(n, True)``: vLLM parks the request in WAITING_FOR_REMOTE_KVS with its blocks allocated and
-  goes on stepping the others); with ``defer`` (setting ``async_loads`` 0) it answers ``(None,
-  False)``, "ask again later", until the session settles, then loads synchronously: the request
-  is scheduled in the step after its last chunk, not one step after its load is reported.
-  ``update_state_after_alloc`` attaches the blocks to the session:
-  the chunks kept so far are written at once, later ones by the thread that delivers them, as they
-  arrive. ``build_connector_meta`` names the step's new loads and its saves (the step whose forward
-  completes a request's last new full chunk). The job is ``connector.SchedulerCore``'s; this half
-  only translates vLLM's call shapes to it;
-- worker side (``connector.WorkerCore``): ``register_kv_caches`` sees the pool as ``connector.KVPages`` (the layout checked at
-  run time) and registers it in the hand-off; ``get_finished`` reports an asynchronous load once its
-  session is loaded; ``get_block_ids_with_load_errors`` then names the promised blocks past what
-  was loaded (a chunk that failed after the promise, a write that failed), and vLLM recomputes them
-  (``kv_load_failure_policy="recompute"``, set by the engine): a failed load never leaves blocks
-  vLLM would take as computed. ``wait_for_save`` reads the finished full chunks out of the blocks
-  (one copy, ``connector.HostCopy``) and hands them to the offer's sink (the write-back sink, or
-  ingest's capture list).
-
-Two homes, one connector. In the ensemble the ``llm`` step posts the offers (the engine says so:
-``kv_connector_extra_config`` ``{"kvcodec.offers": "ensemble"}``). Standalone, in ``vllm serve``
-(``--kv-transfer-config '{"kv_connector": "KVCodecConnector", "kv_connector_module_path":
-"kvcodec.engines.vllm_connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
---distributed-executor-backend uni``: the halves meet in one process), the scheduler half makes each request's
-offer itself (``Standalone``): vLLM's own prefix cache is the first tier (a request whose stored
-prefix vLLM already holds, ``num_computed_tokens``, reads nothing), and for the rest the store is
-read in the background through the ensemble's read path (``serving.readpath``: plan, adaptive
-rungs, breaker, deadlines, verification, decode, restore), answering vLLM "ask again later" until
-the plan is known, then an asynchronous load that the chunks stream into as they arrive; misses are
-written back; its metrics (the Triton server's families: reads by outcome, misses by reason, reused
-and local tokens, bytes, breaker, write-back) reach vLLM's ``/metrics`` through vLLM's connector
-stats (``get_kv_connector_stats`` here, ``build_prom_metrics`` in the API server: ``vllm_metrics``). Settings: ``kv_connector_extra_config`` (``kvcodec.settings`` names: ``store``,
-``ladder``, ``key_file``, ...), else the ``KVCODEC_*`` variables, as ``kvcodec serve`` reads them;
-the model is the one vLLM serves (a local folder).
+- scheduler side (``connector.SchedulerCore``): ``get_num_new_matched_tokens`` answers from the
+  session (asynchronous while chunks come, "ask again later" while deferred or planning,
+  synchronous once settled), ``update_state_after_alloc`` attaches the blocks, and
+  ``build_connector_meta`` names the step's loads and saves;
+- worker side (``connector.WorkerCore``): ``register_kv_caches`` (``KVPages``), ``get_finished`` and
+  ``get_block_ids_with_load_errors`` (promised blocks not written: vLLM recomputes them,
+  ``kv_load_failure_policy="recompute"``), ``wait_for_save`` (full chunks to the offer's sink);
+- metrics: ``get_kv_connector_stats`` / ``build_prom_metrics`` (``vllm_metrics``).
 """
 from __future__ import annotations
 
@@ -60,73 +31,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from ..connector import KVPages, Load, LoadSession, SaveJob, SchedulerCore, WorkerCore
+from ..connector import KVPages, Load, SaveJob, SchedulerCore, WorkerCore
+from ..connector.standalone import PENDING, OwnOffers
 from ..connector.worker import SaveSink
-from ..format.keys import reusable_chunks
 from . import vllm_metrics
 from .vllm_engine import VllmEngine
-from .vllm_handoff import ENSEMBLE, HANDOFF, MODE_KEY, Offer
+from .vllm_handoff import ENSEMBLE, HANDOFF, MODE_KEY
 
 log = logging.getLogger("kvcodec.vllm")
 
 
-PENDING = object()  # the read's plan is not known yet: vLLM is told to ask again
+def standalone(settings, card) -> OwnOffers:
+    """The scheduler half's own offers in ``vllm serve`` (``connector.standalone``), on the
+    deployment's reads and writes (``kvcodec.compose``), its metrics vLLM's (``vllm_metrics``)."""
+    from ..compose import open_reads, open_writes
+    from ..serving.readpath import ReadPath
 
-
-class Standalone:
-    """The scheduler half's own offers, in ``vllm serve``: the local prefix cache first, then the store
-    read in the background (``serving.readpath.ReadPath``); write-back of misses (``sink``)."""
-
-    def __init__(self, settings, card) -> None:
-        from ..compose import open_reads, open_writes
-        from ..serving.readpath import ReadPath
-
-        self.settings, self.card = settings, card
-        self.chunk_tokens = settings.chunk_tokens
-        self.metrics = vllm_metrics.ConnectorMetrics()
-        self.reads = ReadPath(open_reads(settings, card), observer=self.metrics.record)
-        self.sink = open_writes(settings, card)
-        self.metrics.attach(writeback=self.sink.stats if self.sink is not None else None,
-                            store=self.reads.fetcher.calls.snapshot)
-        self._reading: Dict[str, Any] = {}
-        self.counters = {"requests": 0, "local_tokens": 0, "remote_reads": 0}
-
-    def offer(self, request, computed_tokens: int):
-        """The request's ``Offer`` (posted in the hand-off), or ``PENDING`` while its read is planning."""
-        rid = request.request_id
-        reading = self._reading.get(rid)
-        ids = list(request.prompt_token_ids or [])
-        salt = request_salt(request)
-        if reading is None:
-            self.counters["requests"] += 1
-            self.counters["local_tokens"] += int(computed_tokens)
-            self.metrics.local(computed_tokens)
-            stored_max = reusable_chunks(len(ids), self.chunk_tokens) * self.chunk_tokens
-            if computed_tokens >= stored_max:  # vLLM holds every chunk the store could: nothing to read
-                return self._post(rid, ids, None, salt)
-            reading = self._reading[rid] = self.reads.start(ids, salt)
-            self.counters["remote_reads"] += 1
-        if not reading.ready.is_set():
-            return PENDING
-        del self._reading[rid]
-        return self._post(rid, ids, reading.session, salt)
-
-    def _post(self, rid: str, ids: List[int], session: Optional[LoadSession], salt: str) -> "Offer":
-        offer = Offer(session=session, chunk_tokens=self.chunk_tokens,
-                      save=self.sink.for_prompt(ids, salt) if self.sink is not None else None, own=True)
-        HANDOFF.post(rid, offer)
-        return offer
-
-    def finished(self, rid: str) -> None:
-        self._reading.pop(rid, None)
-        offer = HANDOFF.get(rid)
-        if offer is not None and offer.own:
-            HANDOFF.pop(rid)
-
-    def close(self) -> None:
-        self.reads.close()
-        if self.sink is not None:
-            self.sink.close()
+    metrics = vllm_metrics.ConnectorMetrics()
+    return OwnOffers(ReadPath(open_reads(settings, card), observer=metrics.record), open_writes(settings, card),
+                     HANDOFF, settings.chunk_tokens, metrics)
 
 
 def request_salt(request) -> str:
@@ -215,15 +138,15 @@ class KVCodecConnector(KVConnectorBase_V1):
         self._attached: List[Load] = []  # attached since the last metadata
         self.worker = WorkerCore()
         self._load_errors: Set[int] = set()
-        self.standalone: Optional[Standalone] = None
+        self.standalone: Optional[OwnOffers] = None
         if role == KVConnectorRole.SCHEDULER:
             settings = standalone_settings(vllm_config)
             if settings is not None:
-                self.standalone = Standalone(settings, VllmEngine.model_card(settings))
+                card = VllmEngine.model_card(settings)
+                self.standalone = standalone(settings, card)
                 self.core = SchedulerCore(int(vllm_config.cache_config.block_size), settings.chunk_tokens)
                 log.info("kvcodec connector (standalone): store %s, ladder %s, chunks of %d tokens, model %s",
-                         settings.store, ",".join(settings.ladder), settings.chunk_tokens,
-                         self.standalone.card.model_id)
+                         settings.store, ",".join(settings.ladder), settings.chunk_tokens, card.model_id)
 
     @property
     def block_size(self) -> int:
@@ -233,7 +156,9 @@ class KVCodecConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         given, offer = HANDOFF.find(request.request_id)
         if offer is None and self.standalone is not None:
-            offer, given = self.standalone.offer(request, num_computed_tokens), request.request_id
+            offer = self.standalone.offer(request.request_id, request.prompt_token_ids or [], request_salt(request),
+                                          num_computed_tokens)
+            given = request.request_id
             if offer is PENDING:
                 return None, False  # vLLM keeps the request waiting and asks again at its next step
         if offer is None:
@@ -341,18 +266,7 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def _sink_for(self, job: SaveJob) -> Optional[SaveSink]:
         offer = HANDOFF.get(job.extra["given"])
-        if offer is None or offer.save is None:
-            return None
-
-        def sink(chunks) -> int:
-            t = time.perf_counter()
-            accepted = offer.save(chunks)
-            offer.save_s += time.perf_counter() - t
-            accepted = len(chunks) if accepted is None else accepted
-            offer.saved_chunks += accepted
-            return accepted
-
-        return sink
+        return None if offer is None else offer.saver()
 
     def get_finished(self, finished_req_ids):
         """Loads whose session is loaded: asynchronous ones are reported as received; every one whose
