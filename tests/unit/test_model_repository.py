@@ -303,8 +303,8 @@ def test_the_trtllm_connector_config_loads_with_the_connectors_loader(trt_repo):
     path = trt_repo / TRTLLM_MODEL / "1" / TRTLLM_CONFIG_FILE
     cfg = load_config({CONFIG_ENV: str(path)})
     assert cfg.card == TRT_CARD
-    assert (cfg.ladder, cfg.chunk_tokens, cfg.writeback) == (("int8-zstd", "raw"), 64, ("int8-zstd",))
-    assert cfg.store.startswith("file://") and cfg.key_file.is_absolute()
+    assert (tuple(cfg.settings.ladder), cfg.chunk_tokens, cfg.writeback) == (("int8-zstd", "raw"), 64, ("int8-zstd",))
+    assert cfg.settings.store.startswith("file://") and cfg.key_file.is_absolute()
 
 
 def test_writeback_off_renders_as_off(tmp_path):

@@ -50,6 +50,7 @@ from kvcodec.format.keys import chunk_keys
 from kvcodec.format.ladder import parse_ladder
 from kvcodec.serving.decode import ChunkDecoder
 from kvcodec.serving.restore import restore
+from kvcodec.settings import Settings
 from kvcodec.store.memory import MemoryStore
 
 from .conftest import AUTH, structured_kv
@@ -77,8 +78,10 @@ def store():
 
 
 def config(store, ladder=("int8-zstd",), writeback=(), tmp=Path("."), prefetch=True) -> TrtllmConfig:
-    return TrtllmConfig(card=CARD, store=store.url, ladder=tuple(ladder), chunk_tokens=CHUNK, writeback=tuple(writeback),
-                        key_file=tmp / "unused.key", prefetch=prefetch)
+    settings = Settings.load({"home": str(tmp), "store": store.url, "ladder": ",".join(ladder),
+                              "chunk_tokens": str(CHUNK), "writeback": ",".join(writeback) or "off",
+                              "key_file": str(tmp / "unused.key"), "threads": "1"}, env={})
+    return TrtllmConfig(CARD, settings, prefetch=prefetch)
 
 
 def ingest(store, rung: str, n_chunks: int = 3) -> List[str]:
@@ -838,7 +841,8 @@ def test_config_from_the_file_trtllm_names(tmp_path):
     path.write_text(json.dumps({"store": "memory://cfg", "ladder": ["int8-zstd", "raw"], "writeback": "off",
                                 "chunk_tokens": 128, "key_file": str(tmp_path / "k"), "model": model}))
     cfg = load_config({CONFIG_ENV: str(path)})
-    assert (cfg.store, cfg.ladder, cfg.writeback, cfg.chunk_tokens, cfg.card.kv_dtype, cfg.decoder) == (
+    s = cfg.settings  # the deployment's Settings: every setting defined once
+    assert (s.store, tuple(s.ladder), cfg.writeback, cfg.chunk_tokens, cfg.card.kv_dtype, s.decoder) == (
         "memory://cfg", ("int8-zstd", "raw"), (), 128, "float16", "pyav")
     assert load_config({CONFIG_ENV: str(path)}).key_file == tmp_path / "k"
     assert cfg.auth({"TRTLLM_KVCODEC_CHUNK_KEY": bytes(range(32)).hex()}).key_id == AUTH.key_id

@@ -34,7 +34,7 @@ Values are checked as ``kvcodec.settings.Settings`` checks them (the same messag
 are errors that name them. The ``model_id`` is bound into every chunk key: give TensorRT-LLM's KV
 an identity of its own (the weights' identity plus ``/trtllm-<kv dtype>``), as the vLLM engine does,
 since engines differ in the last bits. ``kv_dtype`` is the dtype the ``raw`` rung stores.
-``TrtllmConfig.to_settings()`` is the ``Settings`` the connector reads and writes with: its reads and
+``TrtllmConfig.settings`` (``to_settings()``) is the ``Settings`` the connector reads and writes with: its reads and
 writes are built by ``kvcodec.compose`` as every other deployment's (local tier, breaker, re-signing,
 write-back pricing).
 
@@ -52,7 +52,7 @@ import json
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
 from ..format.auth import ChunkAuth, load_auth
@@ -69,33 +69,24 @@ _KEYS = _SETTINGS_KEYS + ("max_pending", "prefetch", "stage_bytes", "model")
 
 @dataclass(frozen=True)
 class TrtllmConfig:
+    """The model card, the deployment's ``Settings`` (what ``kvcodec.compose`` builds the reads and
+    writes from: one definition of every setting and its default), and the two settings that only
+    TensorRT-LLM's connector has."""
+
     card: ModelCard
-    store: str
-    ladder: Tuple[str, ...]
-    chunk_tokens: int = 256
-    writeback: Tuple[str, ...] = ()
-    key_file: Path = Path(".cache/chunk.key")
-    decoder: str = "pyav"
-    threads: int = 1
-    fetch_timeout_s: float = 20.0
-    max_pending: int = 8
+    settings: Settings
     prefetch: bool = True
     stage_bytes: int = 1 << 30
-    encrypt_chunks: bool = False  # chunks written back are encrypted per tenant (format.auth)
-    settings: Optional[Settings] = None  # the Settings it was made from (from_settings / from_mapping)
+
+    # the settings the connector's own code reads, by the names it reads them
+    chunk_tokens = property(lambda self: self.settings.chunk_tokens)
+    writeback = property(lambda self: tuple(self.settings.writeback))
+    fetch_timeout_s = property(lambda self: self.settings.fetch_timeout_s)
+    key_file = property(lambda self: self.settings.key_file)
+    encrypt_chunks = property(lambda self: self.settings.encrypt_chunks)
 
     def to_settings(self) -> Settings:
-        """The ``Settings`` these are (the ones it was made from, else its fields over the defaults,
-        ``home`` beside the key file): what ``kvcodec.compose`` builds the reads and writes from."""
-        if self.settings is not None:
-            return self.settings
-        return Settings.load({"home": str(Path(self.key_file).parent), "store": self.store,
-                              "ladder": ",".join(self.ladder), "chunk_tokens": str(self.chunk_tokens),
-                              "writeback": ",".join(self.writeback) or "off", "key_file": str(self.key_file),
-                              "decoder": self.decoder, "threads": str(self.threads),
-                              "fetch_timeout_s": repr(self.fetch_timeout_s),
-                              "writeback_pending": str(self.max_pending),
-                              "encrypt_chunks": "1" if self.encrypt_chunks else "0"}, env={})
+        return self.settings
 
     def auth(self, env: Optional[Mapping[str, str]] = None) -> ChunkAuth:
         env = os.environ if env is None else env
@@ -154,16 +145,11 @@ def from_mapping(data: Mapping[str, Any], where: str = "config") -> TrtllmConfig
     stage_bytes = data.get("stage_bytes", 1 << 30)
     if not isinstance(stage_bytes, int) or isinstance(stage_bytes, bool) or stage_bytes < 1:
         raise ConfigError(f"{where}: stage_bytes must be an integer >= 1, got {stage_bytes!r}")
-    settings = replace(settings, writeback_pending=max_pending)
-    return replace(from_settings(settings, card), prefetch=prefetch, stage_bytes=stage_bytes)
+    return TrtllmConfig(card, replace(settings, writeback_pending=max_pending), prefetch, stage_bytes)
 
 
 def from_settings(settings: Settings, card: ModelCard) -> TrtllmConfig:
-    return TrtllmConfig(card=card, store=settings.store, ladder=tuple(settings.ladder),
-                        chunk_tokens=settings.chunk_tokens, writeback=tuple(settings.writeback),
-                        key_file=settings.key_file, decoder=settings.decoder, threads=max(1, settings.threads),
-                        fetch_timeout_s=settings.fetch_timeout_s, max_pending=settings.writeback_pending,
-                        encrypt_chunks=settings.encrypt_chunks, settings=settings)
+    return TrtllmConfig(card, settings)
 
 
 def load_config(env: Optional[Mapping[str, str]] = None) -> TrtllmConfig:
