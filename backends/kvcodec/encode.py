@@ -5,7 +5,6 @@ Used by ingest (once per context) and by the quality harness. The reading side i
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any
 
@@ -15,16 +14,11 @@ from . import __version__
 from .bitstream import CODERS, BitstreamCoder
 from .format.auth import ChunkAuth
 from .format.codecs import Scheme
-from .format.container import Container
+from .format.container import Container, planes_digest
 from .format.geometry import Geometry
 from .layout import get_layout
 
 PAYLOAD = "payload"
-
-
-def planes_digest(planes: np.ndarray) -> str:
-    """BLAKE2b-128 of the planes' samples, hashed straight from the array's buffer (no copy)."""
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(planes)).cast("B"), digest_size=16).hexdigest()
 
 
 def make_coder(scheme: Scheme, **runtime: Any) -> BitstreamCoder:

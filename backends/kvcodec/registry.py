@@ -44,3 +44,11 @@ class Registry(Generic[T]):
             module = importlib.import_module(module_name)
             self._loaded[name] = getattr(module, attr)
         return self._loaded[name]
+
+
+# The engines, by name (``settings`` checks ``engine`` against it without importing one; ``engines``
+# opens them): here, at the bottom, so that both import it downwards.
+ENGINES: Registry = Registry("engine")
+ENGINES.register("transformers", "kvcodec.engines.transformers_engine:TransformersEngine")
+ENGINES.register("vllm", "kvcodec.engines.vllm_engine:VllmEngine")
+ENGINES.register("trtllm", "kvcodec.engines.trtllm_engine:TrtllmEngine")  # TensorRT-LLM's LLM API (its container)

@@ -199,7 +199,7 @@ class Settings:
             raise ConfigError(f"trtllm_kv_fraction must be below 1, got {trtllm_kv_fraction}")
         vllm_engine_args = _json_object("vllm_engine_args", raw("vllm_engine_args") or "")
         engine = raw("engine") or "transformers"
-        from .engines import ENGINES  # the registry only: no engine is imported here
+        from .registry import ENGINES  # names only: no engine is imported here
 
         if engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES.names())}, got {engine!r}")

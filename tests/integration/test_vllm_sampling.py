@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
 
 from kvcodec.engines import open_engine  # noqa: E402
-from kvcodec.engines.sampling import Sampling  # noqa: E402
 from kvcodec.errors import BadRequest  # noqa: E402
 from kvcodec.serving.assemble import Assembled  # noqa: E402
 from kvcodec.serving.generate import generate  # noqa: E402
+from kvcodec.serving.sampling import Sampling  # noqa: E402
 from kvcodec.settings import Settings  # noqa: E402
 
 from .conftest import REPO, text_of  # noqa: E402

@@ -1,9 +1,9 @@
-"""The store's circuit breaker (``kvcodec.serving.breaker``) on a fake clock."""
+"""The store's circuit breaker (``kvcodec.store.breaker``) on a fake clock."""
 from __future__ import annotations
 
 import pytest
 
-from kvcodec.serving.breaker import CLOSED, HALF_OPEN, OPEN, STATES, Breaker
+from kvcodec.store.breaker import CLOSED, HALF_OPEN, OPEN, STATES, Breaker
 
 
 class Clock:

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from kvcodec.errors import StoreUnavailable
-from kvcodec.serving.breaker import Breaker
 from kvcodec.serving.calls import PROBE_KEY
 from kvcodec.serving.costs import CostModel
 from kvcodec.serving.fetch import PROBE_THREADS, Fetcher
+from kvcodec.store.breaker import Breaker
 from kvcodec.store.memory import MemoryStore
 
 from .test_pipeline import CHUNK, MODEL, assemble, context, encoded, through_steps  # noqa: F401  (fixtures)

@@ -125,7 +125,7 @@ def _card(kv_dtype: str):
 ])
 def test_each_engine_says_what_it_honours_without_loading(engine, kv_dtype, seeded):
     from kvcodec.engines import sampling_fields
-    from kvcodec.engines.sampling import ALL
+    from kvcodec.serving.sampling import ALL
     from kvcodec.settings import Settings
 
     fields = sampling_fields(Settings.load({"engine": engine}, env={}), _card(kv_dtype))

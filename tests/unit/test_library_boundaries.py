@@ -183,3 +183,22 @@ def test_no_module_over_500_lines_and_the_adapters_within_550():
     assert not big, big
     adapters = {name: _lines(LIBRARY / name) for name in ADAPTERS}
     assert sum(adapters.values()) <= 550, adapters
+
+
+# The library's floors, top to bottom (docs/development/layers.md): every import from one package
+# (or top-level module) of kvcodec to another goes down this list.
+FLOORS = ["engines", "compose", "ingest", "triton", "serving", "connector", "encode", "layout", "bitstream",
+          "settings", "store", "profiles", "registry", "format", "errors"]
+
+
+def test_every_import_between_the_librarys_packages_goes_down():
+    def floor(module: str) -> str:
+        return module.split(".")[1] if module.count(".") else module
+
+    graph = import_graph()
+    up = sorted(f"{a} -> {b}" for a, bs in graph.items() if a.startswith("kvcodec.") for b in bs
+                if b.startswith("kvcodec.") and floor(a) != floor(b)
+                and FLOORS.index(floor(a)) > FLOORS.index(floor(b)))
+    assert not up, up
+    seen = {floor(m) for m in graph if m.startswith("kvcodec.")} - {"kvcodec"}
+    assert seen <= set(FLOORS), seen - set(FLOORS)  # a new package takes its floor here and in layers.md

@@ -1,4 +1,4 @@
-"""Sampling (``engines.sampling``, ``engines.torch_sampler``, ``serving.stops``): each field's effect on
+"""Sampling (``serving.sampling``, ``engines.torch_sampler``, ``serving.stops``): each field's effect on
 the picked tokens, seeded draws that repeat, stop words cut out of streamed text, fields an engine
 does not honour refused by name; and on the transformers engine (a tiny Llama, real weights' shape):
 a seeded request gives the same tokens with and without reuse of its own KV."""
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcodec.engines.sampling import GREEDY, Sampling
 from kvcodec.engines.torch_sampler import TokenPicker
 from kvcodec.errors import BadRequest
+from kvcodec.serving.sampling import GREEDY, Sampling
 from kvcodec.serving.stops import StopText
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,10 +13,10 @@ import pytest
 
 from kvcodec.errors import ConfigError, StoreUnavailable
 from kvcodec.format.codecs import get_scheme
-from kvcodec.serving.breaker import Breaker
 from kvcodec.serving.costs import CostModel
 from kvcodec.serving.fetch import Fetcher
 from kvcodec.settings import Settings
+from kvcodec.store.breaker import Breaker
 from kvcodec.store.fs import FileStore
 from kvcodec.store.tiered import LOCAL, REMOTE, TieredStore, open_for_settings, with_local_tier
 

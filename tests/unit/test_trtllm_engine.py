@@ -226,7 +226,7 @@ def test_without_tensorrt_llm_the_engine_says_what_it_needs(monkeypatch, tmp_pat
 
 
 def test_sampling_reaches_tensorrt_llm_under_its_own_names(engine):
-    from kvcodec.engines.sampling import Sampling
+    from kvcodec.serving.sampling import Sampling
 
     session = LoadSession(64, 1)
     session.fail(0, "missing")

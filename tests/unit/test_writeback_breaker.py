@@ -9,7 +9,7 @@ from kvcodec.connector.sink import WriteBackSink
 from kvcodec.errors import StoreUnavailable
 from kvcodec.format.auth import ChunkAuth
 from kvcodec.format.ladder import parse_ladder
-from kvcodec.serving.breaker import Breaker
+from kvcodec.store.breaker import Breaker
 from kvcodec.store.memory import MemoryStore
 
 from .test_pipeline import CHUNK, MODEL, context  # noqa: F401  (fixture)

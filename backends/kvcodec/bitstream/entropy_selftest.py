@@ -70,7 +70,7 @@ def load_index(directory: Path = REFERENCE_DIR) -> Dict[str, Any]:
 
 
 def verify_one(decoder: Any, entry: Dict[str, Any], directory: Path = REFERENCE_DIR) -> Result:
-    from ..encode import planes_digest
+    from ..format.container import planes_digest
     from .simple import Zstd
 
     def check() -> str:

@@ -8,7 +8,7 @@ pitch padding in the decoder's surfaces) by the project's own encoder path (``he
 tiled into one larger frame where the profile's rung tiles, ``bitstream.tiling``) from planes that
 reach both ends of the sample range. ``streams.json`` holds, per profile, the settings, the stream's
 frame shape (``shape``) and dtype, the planes' shape before tiling (``planes_shape``), the stream's
-SHA-256 and the digest (``encode.planes_digest``) of its software decode's frames (PyAV/FFmpeg).
+SHA-256 and the digest (``format.container.planes_digest``) of its software decode's frames (PyAV/FFmpeg).
 ``python -m kvcodec_tools.decoder_selftest --regenerate`` makes them again (needs PyAV and x265).
 
 - ``verify(decoder) -> {profile: {"ok", "status", "detail"}}`` decodes each reference stream with
@@ -74,7 +74,7 @@ def load_index(directory: Path = REFERENCE_DIR, index: str = INDEX) -> Dict[str,
 
 
 def _digest(planes: np.ndarray) -> str:
-    from ..encode import planes_digest
+    from ..format.container import planes_digest
 
     return planes_digest(planes)
 

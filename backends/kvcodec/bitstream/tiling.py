@@ -18,7 +18,7 @@ chunk header, nothing more is stored):
 
 ``tile(planes)`` -> frames (numpy) for the encoder; ``untile(frames)`` -> planes for numpy arrays
 and for torch tensors on any device (the NVDEC device output): one reshape and transpose, a copy.
-The planes' digest (``encode.planes_digest``) is taken on the untiled planes, as before tiling.
+The planes' digest (``format.container.planes_digest``) is taken on the untiled planes, as before tiling.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@
 - ``corrupt`` (a ``KeySet``, may be shared with a reader): keys whose stored copy was found corrupt;
   the next save of that chunk replaces it instead of keeping it (bounded, oldest forgotten first);
 - a dead store does not hold the write-back thread: the sink has its own circuit breaker
-  (``serving.breaker.Breaker``; a store error opens it). While it is open, jobs are skipped at
+  (``store.breaker.Breaker``; a store error opens it). While it is open, jobs are skipped at
   once (``skipped``), and once its cooldown is over the next job goes to the store as the probe
   (its success closes the breaker, its failure doubles the cooldown). Without it, every miss
   against a store that accepts and never answers queued one hung call after another;
@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import StoreUnavailable
 from ..format.keys import chunk_keys, tenant_id
-from ..serving.breaker import Breaker
+from ..store.breaker import Breaker
 from .save import ChunkSaver
 from .writeback import SKIPPED, WriteBack
 

@@ -23,7 +23,7 @@ Contract of an engine class:
 - ``engine.prefill_chunks(ids, chunk_tokens)``: the KV of each full chunk of ``ids``, float32
   ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (ingest, the quality harness).
 - ``engine.stream(ids, max_tokens, past_kv=None, sampling=GREEDY)``: token ids one by one, picked as
-  ``sampling`` (``engines.sampling.Sampling``) asks, of which the engine honours its
+  ``sampling`` (``serving.sampling.Sampling``) asks, of which the engine honours its
   ``sampling_fields`` (``serving.generate`` refuses a request asking for another); with ``past_kv``
   (the KV of ``ids[:n]``, ``n < len(ids)``; float16 or float32, converted to the engine's own
   dtype) only ``ids[n:]`` is computed. Its own ``kv_dtype`` KV in must give exactly the tokens of
@@ -36,46 +36,18 @@ Contract of an engine class:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Protocol, Sequence
+from typing import FrozenSet, Iterator, List, Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..format.card import KV_DTYPES, ModelCard
 from ..format.geometry import Geometry
-from ..registry import Registry
-from .sampling import GREEDY, Sampling
+from ..registry import ENGINES
+from ..serving.sampling import GREEDY, Sampling
+from ..serving.stats import StreamReport
 
-KV_DTYPES = ("float16", "float32")  # what a card's ``kv_dtype`` may say (the ``native`` layout's dtypes)
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    """What the serving steps need to know of a model without loading it."""
-
-    name: str  # e.g. SmolLM2-135M-Instruct
-    model_id: str  # name + a digest of the weights: bound into every chunk key and header
-    layers: int
-    kv_heads: int
-    head_dim: int
-    vocab_size: int  # token ids must be below this
-    max_context: int  # prompt + generated tokens
-    codec_profile: Optional[str] = None  # the PCA profile of the transform layouts (``kvcodec.profiles``)
-    # The dtype the engine computes and keeps its KV in: "float32" (CPU engines) or "float16" (GPU).
-    # The ``raw`` rung stores exactly these bytes (``Scheme.for_card``), so it is part of raw's identity.
-    kv_dtype: str = "float16"
-    # RoPE as the model's config says: the profile fit and the transform layouts undo it on keys
-    rope_theta: Optional[float] = None
-    rope_type: str = "default"
-
-    def __post_init__(self) -> None:
-        if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"model card {self.name}: kv_dtype {self.kv_dtype!r} is not one of "
-                              f"{', '.join(KV_DTYPES)}")
-
-    def geometry(self, tokens: int) -> Geometry:
-        return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, tokens=tokens)
-
+__all__ = ["ENGINES", "KV_DTYPES", "Detokenizer", "Engine", "ModelCard", "StreamReport", "model_card",
+           "open_engine", "open_tokenizer", "prepare", "sampling_fields"]
 
 class Detokenizer(Protocol):
     def push(self, token: int) -> str:
@@ -131,33 +103,6 @@ class Engine(Protocol):
         """Release threads, write-back (finishing what was accepted) and store connections."""
 
 
-@dataclass
-class StreamReport:
-    """What an engine says of one ``stream`` call. The engine fills it as it goes; ``serving.generate``
-    reads what the engine took at the first token and the rest at the end (``RequestStats.engine``).
-    A field left None was not said (``reused_tokens`` None: the engine took all the KV it was given)."""
-
-    reused_tokens: Optional[int] = None  # tokens of the restored KV the engine took (a paged engine: whole blocks)
-    promised_tokens: Optional[int] = None  # vllm: what the connector promised the scheduler
-    staged_tokens: Optional[int] = None  # trtllm: restored tokens staged on the pool's device
-    async_load: Optional[bool] = None  # vllm: the load ran beside the engine's steps
-    load_s: Optional[float] = None  # vllm: seconds spent writing restored KV into blocks
-    saved_chunks: Optional[int] = None  # full chunks of the prompt handed to write-back
-    save_copy_s: Optional[float] = None  # vllm: seconds spent copying them out of blocks
-    local_tokens: Optional[int] = None  # vllm: prompt tokens its own prefix cache held (not loaded, not computed)
-
-    def engine_stats(self) -> Dict[str, Any]:
-        """The fields said, but ``reused_tokens``."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "reused_tokens" and getattr(self, f.name) is not None}
-
-
-ENGINES: Registry = Registry("engine")
-ENGINES.register("transformers", "kvcodec.engines.transformers_engine:TransformersEngine")
-ENGINES.register("vllm", "kvcodec.engines.vllm_engine:VllmEngine")
-ENGINES.register("trtllm", "kvcodec.engines.trtllm_engine:TrtllmEngine")  # TensorRT-LLM's LLM API (its container)
-
-
 def model_card(settings) -> ModelCard:
     """The chosen engine's model card (cheap)."""
     return ENGINES.get(settings.engine).model_card(settings)
@@ -167,7 +112,7 @@ def sampling_fields(settings, card: ModelCard) -> FrozenSet[str]:
     """The ``Sampling`` fields a request may ask of the chosen engine for ``card``'s model: the ones
     it honours (``honoured_fields``, known without loading it) and stop words (``serving.generate``
     applies them for every engine)."""
-    from .sampling import GENERATE_FIELDS
+    from ..serving.sampling import GENERATE_FIELDS
 
     return ENGINES.get(settings.engine).honoured_fields(card) | GENERATE_FIELDS
 

@@ -1,4 +1,4 @@
-"""Picks a request's next token from the model's logits, as ``engines.sampling.Sampling`` asks (torch;
+"""Picks a request's next token from the model's logits, as ``serving.sampling.Sampling`` asks (torch;
 for an engine that samples itself: ``transformers``).
 
 ``TokenPicker(sampling, prompt, end_id, bad_ids, device)``; ``pick(logits) -> int`` for each step,
@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 from typing import List, Sequence
 
-from .sampling import Sampling
+from ..serving.sampling import Sampling
 
 
 class TokenPicker:

@@ -24,9 +24,9 @@ import numpy as np
 
 from ..errors import BadRequest
 from ..format.geometry import Geometry
+from ..serving.sampling import ENGINE_FIELDS, GREEDY, Sampling
 from . import ModelCard, StreamReport, model_files
 from .model_files import ModelFiles
-from .sampling import ENGINE_FIELDS, GREEDY, Sampling
 from .tokenizer import IncrementalDetokenizer
 
 

@@ -41,8 +41,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from ..errors import BadRequest, Unsupported
+from ..serving.sampling import ENGINE_FIELDS, GREEDY, Sampling
 from . import ModelCard, StreamReport, model_files
-from .sampling import ENGINE_FIELDS, GREEDY, Sampling
 
 log = logging.getLogger("kvcodec.trtllm")
 

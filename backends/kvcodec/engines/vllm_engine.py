@@ -51,8 +51,8 @@ import numpy as np
 
 from ..compose import open_writes
 from ..errors import BadRequest, ConfigError, Unsupported
+from ..serving.sampling import ENGINE_FIELDS, GREEDY, Sampling
 from . import ModelCard, StreamReport, model_files
-from .sampling import ENGINE_FIELDS, GREEDY, Sampling
 from .vllm_handoff import ENSEMBLE, HANDOFF, MODE_KEY, Offer
 
 log = logging.getLogger("kvcodec.vllm")

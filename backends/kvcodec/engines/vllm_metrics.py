@@ -24,8 +24,8 @@ import threading
 from typing import Callable, Dict, List, Optional
 
 from ..connector.writeback import CHUNK_COUNTS, COUNTS
-from ..serving.breaker import STATES
 from ..serving.stats import SECONDS_BUCKETS
+from ..store.breaker import STATES
 
 # name: (kind, help, the family's own label or None)
 FAMILIES = {

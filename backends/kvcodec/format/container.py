@@ -58,6 +58,14 @@ def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+def planes_digest(planes) -> str:
+    """The header's ``planes_digest``: BLAKE2b-128 of the decoded planes' samples (a numpy array),
+    hashed straight from the array's buffer (no copy)."""
+    import numpy as np
+
+    return hashlib.blake2b(memoryview(np.ascontiguousarray(planes)).cast("B"), digest_size=16).hexdigest()
+
+
 def _canonical(header: Dict[str, Any], *empty: str) -> bytes:
     return json.dumps(dict(header, **{k: "" for k in empty}), sort_keys=True).encode()
 

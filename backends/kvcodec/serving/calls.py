@@ -1,5 +1,5 @@
 """One store's calls: a fixed pool of threads, each call held to its request's deadline, counted,
-and fed to the store's circuit breaker (``serving.breaker``).
+and fed to the store's circuit breaker (``store.breaker``).
 
 ``StoreCalls(store, threads, breaker)``:
 
@@ -32,8 +32,8 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from ..errors import StoreTimeout, StoreUnavailable
 from ..store import KVStore
+from ..store.breaker import Breaker
 from ..store.deadline import call_deadline
-from .breaker import Breaker
 
 PROBE_KEY = "kvcodec-probe"  # never stored: the probe's answer (a miss) only shows the store answers
 PROBE_TIMEOUT_S = 2.0

@@ -35,7 +35,7 @@ they are: it is held to ``timeout_s`` only (the breaker still keeps it off a dea
 Every store call runs on ``serving.calls.StoreCalls``: a fixed pool per store, each call inside
 the request's deadline (``store.deadline``: a network store cuts the call and closes its socket
 then, so hung calls do not pile up), counted (``snapshot()``, sent with each request in
-``ChunkInfo.store``) and heard by the store's circuit breaker (``serving.breaker``): once a call
+``ChunkInfo.store``) and heard by the store's circuit breaker (``store.breaker``): once a call
 fails or times out, requests skip the store at once (status ``none``, "store skipped") until a
 probe finds it answering again (the first request after the cooldown runs the probe and waits up to
 ``PROBE_WAIT_S`` for it; a healed store is used again within two requests).
@@ -62,9 +62,9 @@ from ..format.codecs import Scheme
 from ..format.keys import chunk_keys, reusable_chunks
 from ..format.ladder import parse_ladder, rung_name
 from ..store import KVStore
+from ..store.breaker import Breaker
 from ..store.deadline import call_deadline
 from ..store.tiered import LOCAL, REMOTE
-from .breaker import Breaker
 from .calls import StoreCalls
 from .chunkinfo import ChunkInfo
 from .costs import CostModel

@@ -25,11 +25,10 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from ..engines import StreamReport
-from ..engines.sampling import GENERATE_FIELDS, GREEDY, Sampling
 from ..errors import BadRequest
 from .assemble import Assembled, Chunks
-from .stats import RequestStats
+from .sampling import GENERATE_FIELDS, GREEDY, Sampling
+from .stats import RequestStats, StreamReport
 from .stops import StopText
 
 

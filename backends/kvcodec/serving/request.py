@@ -19,11 +19,11 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..engines import ModelCard
-from ..engines.sampling import GREEDY, Sampling
 from ..errors import BadRequest, ConfigError
+from ..format.card import ModelCard
 from ..format.keys import check_salt
 from ..format.ladder import parse_ladder
+from .sampling import GREEDY, Sampling
 
 MAX_TOKENS_LIMIT = 4096
 

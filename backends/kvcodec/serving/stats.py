@@ -7,7 +7,7 @@ is not known yet (``None``) is left out of the JSON.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from .chunkinfo import ChunkInfo
@@ -161,3 +161,24 @@ def overlap(infos: List[ChunkInfo]) -> Pipeline:
         bound_s=round(max(totals.values()), 6) if used else 0.0,
         slowest_stage=max(totals, key=totals.get) if used else "",
     )
+
+
+@dataclass
+class StreamReport:
+    """What an engine says of one ``stream`` call. The engine fills it as it goes; ``serving.generate``
+    reads what the engine took at the first token and the rest at the end (``RequestStats.engine``).
+    A field left None was not said (``reused_tokens`` None: the engine took all the KV it was given)."""
+
+    reused_tokens: Optional[int] = None  # tokens of the restored KV the engine took (a paged engine: whole blocks)
+    promised_tokens: Optional[int] = None  # vllm: what the connector promised the scheduler
+    staged_tokens: Optional[int] = None  # trtllm: restored tokens staged on the pool's device
+    async_load: Optional[bool] = None  # vllm: the load ran beside the engine's steps
+    load_s: Optional[float] = None  # vllm: seconds spent writing restored KV into blocks
+    saved_chunks: Optional[int] = None  # full chunks of the prompt handed to write-back
+    save_copy_s: Optional[float] = None  # vllm: seconds spent copying them out of blocks
+    local_tokens: Optional[int] = None  # vllm: prompt tokens its own prefix cache held (not loaded, not computed)
+
+    def engine_stats(self) -> Dict[str, Any]:
+        """The fields said, but ``reused_tokens``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "reused_tokens" and getattr(self, f.name) is not None}

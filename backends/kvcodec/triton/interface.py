@@ -30,9 +30,9 @@ from typing import Callable, List, Sequence
 
 import numpy as np
 
-from ..engines.sampling import Sampling
 from ..errors import BadRequest
 from ..serving.request import Reply, Request
+from ..serving.sampling import Sampling
 from . import get_array, get_scalar, get_text, has_input, request_parameters
 
 FLOATS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty")

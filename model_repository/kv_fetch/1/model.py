@@ -29,8 +29,8 @@ import triton_python_backend_utils as pb_utils
 
 from kvcodec.compose import open_reads
 from kvcodec.engines import model_card, open_tokenizer, sampling_fields
-from kvcodec.serving.breaker import STATES
 from kvcodec.settings import Settings
+from kvcodec.store.breaker import STATES
 from kvcodec.triton import (
     FINAL,
     error_response,
