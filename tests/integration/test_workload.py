@@ -18,8 +18,8 @@ pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vl
 from kvcodec.engines.gguf import ensure_model  # noqa: E402
 from kvcodec_tools.ports import free_ports  # noqa: E402
 from kvcodec_tools.services.vllm_serve import VllmServe  # noqa: E402
-from kvcodec_tools.workload import LongDocConfig, make_row  # noqa: E402
-from kvcodec_tools.workload_run import OpenAITarget, run_long_doc_qa  # noqa: E402
+from kvcodec_tools.workload import LongDocConfig, MultiRoundConfig, make_row  # noqa: E402
+from kvcodec_tools.workload_run import OpenAITarget, run_long_doc_qa, run_multi_round  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -60,3 +60,37 @@ def test_long_doc_qa_query_round_reads_the_store_after_a_restart(tmp_path: Path,
     query = [r for r in records if r.round == "query"]
     assert all((r.cached_tokens or 0) >= 512 for r in query), ([r.cached_tokens for r in query], tail)
     assert row["query_ttft_mean_s"] < row["warmup_ttft_mean_s"], row
+
+
+def test_multi_round_turn_two_loads_turn_one_from_the_store_after_a_restart(tmp_path: Path, settings, tokenizer):
+    """LMCache's multi-round QA at a tiny size (2 users, 3 turns, a 600-token system prompt): every
+    user's turn 1 runs, its chunks are written back, the server is replaced (vLLM's prefix cache
+    empty), and turn 2 of each user loads what turn 1 wrote from the store (its cached tokens cover
+    the system prompt and the user's first exchange, whole chunks); every answer is prefill's."""
+    env = {"KVCODEC_HOME": str(tmp_path), "KVCODEC_STORE": f"file://{tmp_path / 'store'}", "KVCODEC_CHUNK_KEY": KEY,
+           "KVCODEC_LADDER": "raw", "KVCODEC_WRITEBACK": "raw", "KVCODEC_THREADS": "1"}
+    model = ensure_model(settings.model_cache).path
+    servers = []
+
+    def start() -> OpenAITarget:
+        if servers:
+            _drained(servers[-1])
+            servers[-1].stop()
+        [port] = free_ports(1)
+        servers.append(VllmServe(model, tmp_path, env, port).start())
+        return OpenAITarget(servers[-1].url)
+
+    config = MultiRoundConfig(users=2, rounds=3, system_tokens=600, user_info_tokens=0, answer_tokens=4, qps=20.0)
+    try:
+        records, times = run_multi_round(start(), tokenizer, config, restart=start, progress=False)
+        tail = servers[-1].log_tail()
+    finally:
+        servers[-1].stop()
+    row = make_row("multi-round", "kvcodec-vllm-serve", None, True, records, {}, **times)
+    print(json.dumps({k: v for k, v in row.items() if k != "requests"}))
+    assert len(servers) == 2 and row["answers_equal"], [(r.user, r.turn, r.text) for r in records]
+    turn2 = [r for r in records if r.turn == 2]
+    for r in turn2:
+        first = next(x for x in records if x.user == r.user and x.turn == 1)
+        stored = len(tokenizer.encode(first.prompt)) // 256 * 256  # turn 1's whole chunks, written back
+        assert stored >= 512 and (r.cached_tokens or 0) >= stored, (r.cached_tokens, stored, tail)
