@@ -103,6 +103,7 @@ class _Servers:
 
     def __init__(self, args, model: Path, home: Path) -> None:
         self.args, self.model, self.current, self.router = args, model, [], None
+        self.writeback: dict = {}  # the stopped servers' write-back counts (kvcodec_writeback_total)
         self.root = home / f"workload-{int(time.time())}"
         store = args.store or f"file://{self.root / 'store'}"
         self.env = {"KVCODEC_HOME": str(self.root), "KVCODEC_STORE": store}
@@ -143,6 +144,10 @@ class _Servers:
         for server in self.current:
             while time.monotonic() < deadline:
                 try:
+                    # vLLM refreshes the connector's gauges at an engine step: a one-token request (no
+                    # whole chunk, nothing written back) makes one, or the gauge would stay as the last
+                    # request left it
+                    server.completion("ping", 1)
                     if server.metrics().get("kvcodec_writeback_pending", 0) == 0:
                         break
                 except OSError:
@@ -151,20 +156,30 @@ class _Servers:
             else:
                 print("workload: write-back still pending at the restart", file=sys.stderr, flush=True)
 
-    def tiers(self) -> dict:
-        """Chunks the replicas reused, by tier (``kvcodec_tier_chunks_total``: local, remote), summed."""
-        out = {"local": 0, "remote": 0}
+    def _by_label(self, family: str, label: str, out: dict) -> dict:
+        """``family``'s samples summed over the running replicas by ``label``'s value, added to ``out``."""
         for server in self.current:
             for line in server.metrics_text().splitlines():
-                if line.startswith("kvcodec_tier_chunks_total{"):
+                if line.startswith(family + "{") and f'{label}="' in line:
                     name, _, value = line.rpartition(" ")
-                    tier = name.split('tier="', 1)[1].split('"', 1)[0]
-                    out[tier] = out.get(tier, 0) + int(float(value))
+                    key = name.split(f'{label}="', 1)[1].split('"', 1)[0]
+                    out[key] = out.get(key, 0) + int(float(value))
         return out
+
+    def tiers(self) -> dict:
+        """Chunks the replicas reused, by tier (``kvcodec_tier_chunks_total``: local, remote), summed."""
+        return self._by_label("kvcodec_tier_chunks_total", "tier", {"local": 0, "remote": 0})
+
+    def writeback_counts(self) -> dict:
+        """Write-back jobs by state (``kvcodec_writeback_total``: queued, stored, dropped, failed,
+        skipped) over every server of the run, the stopped ones included."""
+        return self._by_label("kvcodec_writeback_total", "state", dict(self.writeback))
 
     def stop(self) -> None:
         if self.current:
             self.drain()
+            if self.args.serve == "kvcodec":
+                self.writeback = self.writeback_counts()
             for server in self.current:
                 server.stop()
             self.current = []
@@ -212,6 +227,7 @@ def cmd_workload(args) -> int:
         restart = servers.start if args.restart_between_rounds else None
         records, times = run(target, tokenizer, config, restart=restart, progress=not args.no_progress)
         tiers = servers.tiers() if servers is not None and args.serve == "kvcodec" else None
+        writeback = servers.writeback_counts() if servers is not None and args.serve == "kvcodec" else None
     except (ValueError, WorkloadError) as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
@@ -225,6 +241,8 @@ def cmd_workload(args) -> int:
                                if k.startswith("KVCODEC_") and "KEY" not in k and k != "KVCODEC_HOME"}
     routing = args.routing if args.replicas > 1 else "none"
     details["replicas"] = args.replicas
+    if writeback is not None:  # what write-back did under the run's load: stored, or dropped (queue full) and why
+        details["writeback"] = writeback
     row = make_row(args.workload, args.method, args.bandwidth_mbps, args.restart_between_rounds, records, details,
                    routing=routing, tiers=tiers, **times)
     print(json.dumps(summary(row), indent=2))

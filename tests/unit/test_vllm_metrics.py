@@ -36,6 +36,10 @@ def test_intervals_carry_what_happened_since_the_last():
     assert first["observations"]["kvcodec_fetch_seconds"] == [0.2, 0.1]
     assert first["gauges"]["kvcodec_writeback_pending"] == 1 and first["gauges"]["kvcodec_store_breaker_state"] == 0
     assert is_empty(m.interval())  # nothing new: no increments, no observations
+    sink.update(pending=0)  # write-back caught up after the last request: only a gauge moved
+    moved = m.interval()
+    assert not is_empty(moved) and moved["gauges"]["kvcodec_writeback_pending"] == 0
+    assert is_empty(m.interval())
     sink.update(stored=5)
     m.record(RequestStats(miss_reason="nothing stored"))
     third = m.interval()

@@ -62,6 +62,7 @@ class ConnectorMetrics:
         self._lock = threading.Lock()
         self._counts: Dict[str, int] = {}  # cumulative, by key
         self._sent: Dict[str, int] = {}  # what the last interval() had reached
+        self._sent_gauges: Dict[str, float] = {}  # the gauges the last interval() carried
         self._observations: Dict[str, List[float]] = {}
         self._writeback: Optional[Callable[[], dict]] = None
         self._store: Optional[Callable[[], dict]] = None
@@ -133,11 +134,16 @@ class ConnectorMetrics:
                     counts[key] = grown
                 self._sent[key] = n
             observations, self._observations = self._observations, {}
-        return {"counts": counts, "gauges": self.gauges(), "observations": observations}
+        gauges = self.gauges()
+        with self._lock:
+            # a gauge that moved is news even with nothing counted (write-back's pending falling to 0
+            # after the last request): the interval is then not empty, and vLLM carries it
+            moved, self._sent_gauges = gauges != self._sent_gauges, gauges
+        return {"counts": counts, "gauges": gauges, "observations": observations, "gauges_moved": moved}
 
 
 def is_empty(data: dict) -> bool:
-    return not data.get("counts") and not data.get("observations")
+    return not data.get("counts") and not data.get("observations") and not data.get("gauges_moved")
 
 
 def aggregate(a: dict, b: dict) -> dict:
@@ -148,7 +154,8 @@ def aggregate(a: dict, b: dict) -> dict:
     observations = {k: list(v) for k, v in a.get("observations", {}).items()}
     for key, values in b.get("observations", {}).items():
         observations.setdefault(key, []).extend(values)
-    return {"counts": counts, "gauges": {**a.get("gauges", {}), **b.get("gauges", {})}, "observations": observations}
+    return {"counts": counts, "gauges": {**a.get("gauges", {}), **b.get("gauges", {})}, "observations": observations,
+            "gauges_moved": bool(a.get("gauges_moved") or b.get("gauges_moved"))}
 
 
 def summary(data: dict) -> Dict[str, float]:
