@@ -51,10 +51,11 @@ from kvcodec.errors import Unsupported
 from kvcodec.settings import Settings
 from kvcodec_tools.cli import DEFAULT_REPOSITORY, _settings, _store_down, common
 from kvcodec_tools.health import Health, serve_health
-from kvcodec_tools.procs import Process
+from kvcodec_tools.procs import Process, ServiceError
 from kvcodec_tools.stubs import STUB, Stub, children, read_stub, stubs_of  # noqa: F401  (this module's names too)
 
 MODELS = ("kvcodec", "kv_fetch", "kv_decode", "kv_restore", "llm")
+STARTUP_ABORT = "boost::interprocess::lock_exception"  # the python backend's abort at start, under load
 # Triton's APIs that change or expose the server (load and unload models, shared memory, tracing,
 # log settings) answer only requests with the header ADMIN_HEADER: <admin key>; inference, health,
 # metadata, model config and statistics stay open. Checked on tritonserver 2.51 (403 without it).
@@ -189,14 +190,29 @@ class TritonServer:
         env.update(self.settings.environ())
         return env
 
-    def start(self, timeout_s: float = 180.0, append_log: bool = False) -> "TritonServer":
+    def start(self, timeout_s: float = 180.0, append_log: bool = False, attempts: int = 3) -> "TritonServer":
         """Start the server (its log truncated unless ``append_log``) and wait until it and every
         model are ready: ``ServiceError`` (a RuntimeError) if it exits first, ``NotReady`` (a
-        TimeoutError; the server is stopped) after ``timeout_s``, each with the log's tail."""
-        self.process = Process("tritonserver", self.command(), self.log_path, env=self.environment(),
-                               append=append_log)
-        self.process.start().wait_ready(self.ready, timeout_s, [self.log_path], poll_s=0.5)
-        return self
+        TimeoutError; the server is stopped) after ``timeout_s``, each with the log's tail. A start
+        that aborts on ``STARTUP_ABORT`` (Triton's python backend, now and then on a loaded machine;
+        docs/operations.md) is made again, ``attempts`` times at most, the log appended."""
+        for attempt in range(attempts):
+            self.process = Process("tritonserver", self.command(), self.log_path, env=self.environment(),
+                                   append=append_log or attempt > 0)
+            start = self.log_path.stat().st_size if attempt and self.log_path.exists() else 0
+            try:
+                self.process.start().wait_ready(self.ready, timeout_s, [self.log_path], poll_s=0.5)
+                return self
+            except ServiceError:
+                with open(self.log_path, "rb") as log:  # this attempt's part of the log
+                    log.seek(start)
+                    aborted = STARTUP_ABORT.encode() in log.read()
+                if attempt + 1 >= attempts or not aborted:
+                    raise
+                self.process.stop()  # what is left of its process group
+                print(f"tritonserver aborted while starting ({STARTUP_ABORT}): starting it again",
+                      file=sys.stderr, flush=True)
+        raise AssertionError("unreachable")
 
     def alive(self) -> bool:
         """Whether the server process runs (it was started and has not exited)."""

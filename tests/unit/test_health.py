@@ -6,6 +6,7 @@ HTTP endpoint for ``TritonServer``'s per-model readiness; a real ``kvcodec serve
 tests/integration/test_deploy.py."""
 from __future__ import annotations
 
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -208,3 +209,52 @@ def test_a_full_triton_install_is_served_with_its_own_backends(tmp_path, monkeyp
     assert command[0] == str(root / "bin" / "tritonserver")
     assert f"--backend-directory={root / 'backends'}" in command
     assert server.environment()["LD_LIBRARY_PATH"].split(":")[0] == str(root / "lib")
+
+
+STAND_IN = """\
+import os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+count = os.path.join(sys.argv[1], "starts")
+n = int(open(count).read()) + 1 if os.path.exists(count) else 1
+open(count, "w").write(str(n))
+if n <= int(sys.argv[2]):  # as Triton's python backend does now and then under load
+    print("terminate called after throwing an instance of '" + sys.argv[3] + "'", flush=True)
+    os.abort()
+class Ready(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[4])), Ready).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("aborts, starts", [(0, 1), (2, 3)])
+def test_a_start_aborted_by_the_python_backends_lock_is_made_again(tmp_path, aborts, starts):
+    """Triton's python backend now and then aborts the server while it starts on a loaded machine
+    (``boost::interprocess::lock_exception``): ``TritonServer.start`` starts it again, at most
+    ``attempts`` times; any other exit is an error at once."""
+    from kvcodec_tools.ports import free_ports
+    from kvcodec_tools.procs import ServiceError
+    from kvcodec_tools.tritonserver import STARTUP_ABORT
+
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    [port] = free_ports(1)
+    server = TritonServer(tmp_path / "repo", Settings.load({"home": str(tmp_path)}), Ports(http=port))
+    server.command = lambda: [sys.executable, str(script), str(tmp_path), str(aborts), STARTUP_ABORT, str(port)]
+    try:
+        server.start(timeout_s=60)
+        assert server.ready() and int((tmp_path / "starts").read_text()) == starts
+    finally:
+        server.stop()
+    (tmp_path / "starts").unlink()
+    with pytest.raises(ServiceError):  # aborted every time: three starts, then the error
+        server.command = lambda: [sys.executable, str(script), str(tmp_path), "9", STARTUP_ABORT, str(port)]
+        server.start(timeout_s=60)
+    assert int((tmp_path / "starts").read_text()) == 3
+    (tmp_path / "starts").unlink()
+    with pytest.raises(ServiceError):  # another abort: no second start
+        server.command = lambda: [sys.executable, str(script), str(tmp_path), "9", "std::bad_alloc", str(port)]
+        server.start(timeout_s=60)
+    assert int((tmp_path / "starts").read_text()) == 1
