@@ -104,6 +104,8 @@ class _Servers:
     def __init__(self, args, model: Path, home: Path) -> None:
         self.args, self.model, self.current, self.router = args, model, [], None
         self.writeback: dict = {}  # the stopped servers' write-back counts (kvcodec_writeback_total)
+        self.ports: list = []  # the replicas' ports and the router's two, kept across restarts
+        self.starts = 0
         self.root = home / f"workload-{int(time.time())}"
         store = args.store or f"file://{self.root / 'store'}"
         self.env = {"KVCODEC_HOME": str(self.root), "KVCODEC_STORE": store}
@@ -121,12 +123,19 @@ class _Servers:
         from .workload_run import OpenAITarget
 
         self.stop()
-        ports = free_ports(self.args.replicas + 2)
+        # each replica keeps its address across restarts (a StatefulSet's stable name): the router's
+        # consistent hash is a ring of the replicas' addresses, so a new port would move prefixes
+        # away from the local tier that holds them
+        self.ports = self.ports or free_ports(self.args.replicas + 2)
+        ports = self.ports
         for i, port in enumerate(ports[:self.args.replicas]):
-            server = VllmServe(self.model, self.root, self._env(i), port, connector=self.args.serve == "kvcodec")
+            # a folder per start for the logs (a restarted replica keeps its port, whose log it would overwrite)
+            server = VllmServe(self.model, self.root / f"start-{self.starts}", self._env(i), port,
+                               connector=self.args.serve == "kvcodec")
             print(f"workload: starting vllm serve ({self.args.serve}) replica {i} on port {port}, log {server.log}",
                   file=sys.stderr, flush=True)
             self.current.append(server.start())
+        self.starts += 1
         url = self.current[0].url
         if self.args.replicas > 1:
             self.router = Balancer(self.root / "router", "127.0.0.1", ports[-2], ports[-1],
