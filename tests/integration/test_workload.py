@@ -26,36 +26,49 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600
 KEY = bytes(range(32)).hex()
 
 
-def _drained(server: VllmServe, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while server.metrics().get("kvcodec_writeback_pending", 0) > 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
+class Servers:
+    """``vllm serve`` with the connector on one store (the bit-exact ``raw`` rung); each call after the
+    first replaces the server by a new one, once its write-back has drained (vLLM refreshes the
+    connector's gauges at an engine step: a one-token request makes one)."""
+
+    def __init__(self, tmp_path: Path, settings) -> None:
+        self.root, self.model, self.started = tmp_path, ensure_model(settings.model_cache).path, []
+        self.env = {"KVCODEC_HOME": str(tmp_path), "KVCODEC_STORE": f"file://{tmp_path / 'store'}",
+                    "KVCODEC_CHUNK_KEY": KEY, "KVCODEC_LADDER": "raw", "KVCODEC_WRITEBACK": "raw",
+                    "KVCODEC_THREADS": "1"}
+
+    def __call__(self) -> OpenAITarget:
+        if self.started:
+            last, deadline = self.started[-1], time.monotonic() + 120
+            while time.monotonic() < deadline:
+                last.completion("ping", 1)
+                if last.metrics().get("kvcodec_writeback_pending", 0) == 0:
+                    break
+                time.sleep(0.5)
+            last.stop()
+        [port] = free_ports(1)
+        self.started.append(VllmServe(self.model, self.root, self.env, port).start())
+        return OpenAITarget(self.started[-1].url)
+
+    def stop(self) -> str:
+        """Stops the last server; its log's tail."""
+        tail = self.started[-1].log_tail()
+        self.started[-1].stop()
+        return tail
 
 
 def test_long_doc_qa_query_round_reads_the_store_after_a_restart(tmp_path: Path, settings, tokenizer):
-    env = {"KVCODEC_HOME": str(tmp_path), "KVCODEC_STORE": f"file://{tmp_path / 'store'}", "KVCODEC_CHUNK_KEY": KEY,
-           "KVCODEC_LADDER": "raw", "KVCODEC_WRITEBACK": "raw", "KVCODEC_THREADS": "1"}
-    model = ensure_model(settings.model_cache).path
-    servers = []
-
-    def start() -> OpenAITarget:
-        if servers:
-            _drained(servers[-1])
-            servers[-1].stop()
-        [port] = free_ports(1)
-        servers.append(VllmServe(model, tmp_path, env, port).start())
-        return OpenAITarget(servers[-1].url)
+    start = Servers(tmp_path, settings)
 
     config = LongDocConfig(documents=2, document_tokens=600, output_tokens=4, repeat_count=2, repeat_mode="tile",
                            inflight=2)
     try:
         records, times = run_long_doc_qa(start(), tokenizer, config, restart=start, progress=False)
-        tail = servers[-1].log_tail()
     finally:
-        servers[-1].stop()
+        tail = start.stop()
     row = make_row("long-doc-qa", "kvcodec-vllm-serve", None, True, records, {}, **times)
     print(json.dumps({k: v for k, v in row.items() if k != "requests"}))
-    assert len(servers) == 2 and len(list((tmp_path / "store").glob("**/*.kvc"))) >= 4
+    assert len(start.started) == 2 and len(list((tmp_path / "store").glob("**/*.kvc"))) >= 4
     assert row["answers_equal"], [(r.doc, r.round, r.text) for r in records]
     query = [r for r in records if r.round == "query"]
     assert all((r.cached_tokens or 0) >= 512 for r in query), ([r.cached_tokens for r in query], tail)
@@ -67,28 +80,16 @@ def test_multi_round_turn_two_loads_turn_one_from_the_store_after_a_restart(tmp_
     user's turn 1 runs, its chunks are written back, the server is replaced (vLLM's prefix cache
     empty), and turn 2 of each user loads what turn 1 wrote from the store (its cached tokens cover
     the system prompt and the user's first exchange, whole chunks); every answer is prefill's."""
-    env = {"KVCODEC_HOME": str(tmp_path), "KVCODEC_STORE": f"file://{tmp_path / 'store'}", "KVCODEC_CHUNK_KEY": KEY,
-           "KVCODEC_LADDER": "raw", "KVCODEC_WRITEBACK": "raw", "KVCODEC_THREADS": "1"}
-    model = ensure_model(settings.model_cache).path
-    servers = []
-
-    def start() -> OpenAITarget:
-        if servers:
-            _drained(servers[-1])
-            servers[-1].stop()
-        [port] = free_ports(1)
-        servers.append(VllmServe(model, tmp_path, env, port).start())
-        return OpenAITarget(servers[-1].url)
+    start = Servers(tmp_path, settings)
 
     config = MultiRoundConfig(users=2, rounds=3, system_tokens=600, user_info_tokens=0, answer_tokens=4, qps=20.0)
     try:
         records, times = run_multi_round(start(), tokenizer, config, restart=start, progress=False)
-        tail = servers[-1].log_tail()
     finally:
-        servers[-1].stop()
+        tail = start.stop()
     row = make_row("multi-round", "kvcodec-vllm-serve", None, True, records, {}, **times)
     print(json.dumps({k: v for k, v in row.items() if k != "requests"}))
-    assert len(servers) == 2 and row["answers_equal"], [(r.user, r.turn, r.text) for r in records]
+    assert len(start.started) == 2 and row["answers_equal"], [(r.user, r.turn, r.text) for r in records]
     turn2 = [r for r in records if r.turn == 2]
     for r in turn2:
         first = next(x for x in records if x.user == r.user and x.turn == 1)
