@@ -5,6 +5,8 @@
         [--documents 8 --document-tokens 20000 --output-tokens 100 --repeat-count 2 --repeat-mode random
          --hit-miss 3:1 --inflight 2] [--restart-between-rounds] [--cache-salt S] [--bandwidth-mbps B]
         [--replicas 2 --routing prefix|round-robin] [--json perf/results/workloads.json [--plot FILE]]
+    kvcodec bench workload long-doc-qa|multi-round --peers M1,M2 [--link-mbps 100,10000] [--peers-store redis|s3]
+        [--restart-between-rounds] ... (workload_peers: the peers bench's methods side by side)
     kvcodec bench workload multi-round --method M ... [--users 10 --rounds 5 --system-tokens 1000
         --user-info-tokens 0 --answer-tokens 100 --qps 0.5]
 
@@ -28,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import PLOT_HELP, REPO_ROOT, _settings, common
+from .cli import PLOT_HELP, REPO_ROOT, _list, _settings, common
 
 RESULTS = REPO_ROOT / "perf" / "results" / "workloads.json"
 
@@ -40,6 +42,13 @@ def _shared(p) -> None:
     where.add_argument("--url", help="a running server on a loopback address (http://127.0.0.1:PORT)")
     where.add_argument("--serve", choices=["kvcodec", "vllm"],
                        help="start vllm serve here: with the KVCodec connector (kvcodec) or plain (vllm)")
+    where.add_argument("--peers", type=_list(str), default=None,
+                       help="the peers bench's methods, side by side, each on a fresh store behind a shaped link "
+                            "at each --link-mbps (prefill, lmcache, lmcache-fp8, kvcodec-vllm-serve, kvcodec-ensemble)")
+    p.add_argument("--link-mbps", type=_list(float), default=[100.0, 10000.0], help="with --peers: the link rates")
+    p.add_argument("--peers-store", choices=["redis", "s3"], default="redis", help="with --peers: the store")
+    p.add_argument("--delay-ms", type=float, default=1.0, help="with --peers: the link's one-way delay")
+    p.add_argument("--link-mode", choices=["auto", "netns", "userspace"], default="auto", help="with --peers")
     p.add_argument("--target", choices=["openai", "ensemble"], default="openai",
                    help="--url's interface: /v1/completions, or Triton's ensemble's generate_stream")
     p.add_argument("--served-model", default=None,
@@ -210,6 +219,8 @@ def cmd_workload(args) -> int:
     except ValueError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
+    if args.peers:
+        return _peers(args, config, prefix)
     if args.restart_between_rounds and not args.serve:
         print(f"{prefix}: --restart-between-rounds needs --serve (the command restarts only servers it started)",
               file=sys.stderr)
@@ -261,5 +272,36 @@ def cmd_workload(args) -> int:
             plot(rows, Path(args.plot), log=lambda m: print(m, file=sys.stderr))
     if not row["answers_equal"]:
         print(f"{prefix}: {row['mismatches']} of {len(records)} answers differ from prefill's", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _peers(args, config, prefix: str) -> int:
+    """``--peers``: every method at every rate (``workload_peers.run_peers``), rows merged into ``--json``."""
+    from kvcodec.engines.gguf import ensure_model
+    from kvcodec.engines.tokenizer import Tokenizer
+
+    from .workload import merge_rows, plot, summary
+    from .workload_peers import run_peers
+    from .workload_run import WorkloadError, run_long_doc_qa, run_multi_round
+
+    settings = _settings(args)
+    files = ensure_model(settings.model_cache)
+    work = Path(settings.home) / f"workload-peers-{int(time.time())}"
+    run = run_long_doc_qa if args.workload == "long-doc-qa" else run_multi_round
+    try:
+        rows = run_peers(args, config, Tokenizer(files), files.path, work, run,
+                         log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ValueError, WorkloadError) as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps([summary(r) for r in rows], indent=2))
+    if args.json:
+        merged = merge_rows(Path(args.json), rows)
+        if args.plot:
+            plot(merged, Path(args.plot), log=lambda m: print(m, file=sys.stderr))
+    wrong = [r["method"] for r in rows if not r["answers_equal"]]
+    if wrong:
+        print(f"{prefix}: answers differ from prefill's: {', '.join(wrong)}", file=sys.stderr)
         return 1
     return 0

@@ -276,3 +276,38 @@ def test_only_loopback_servers():
     assert check_loopback("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
     with pytest.raises(ValueError, match="loopback"):
         OpenAITarget("http://10.0.0.5:8000")
+
+
+def test_peers_methods_run_the_workload_through_their_servers_and_restart_after_settling():
+    """``workload_peers``: a method's servers (a stand-in with ``streamed``, as ``VllmServe`` and the
+    ensemble's have) answer the rounds; the restart settles the store before it closes the first
+    server and opens a second; references come from the reference server, not the method's."""
+    import contextlib
+
+    from kvcodec_tools.workload_peers import MethodServers
+
+    events, seen = [], []
+
+    class Server:
+        def __init__(self, n):
+            self.n = n
+
+        def streamed(self, prompt, max_tokens, **extra):
+            seen.append((self.n, prompt[:12]))
+            return {"ttft_s": 0.01, "text": f"<{len(prompt) % 97}>", "cached_tokens": 0, "elapsed_s": 0.02}
+
+    @contextlib.contextmanager
+    def open_server(n):
+        events.append(f"open {n}")
+        yield Server(n)
+        events.append(f"close {n}")
+
+    servers = MethodServers(open_server, lambda: events.append("settle"), lambda p, m: f"<{len(p) % 97}>")
+    config = LongDocConfig(documents=2, document_tokens=30, output_tokens=4, repeat_count=1, repeat_mode="tile")
+    try:
+        records, _ = run_long_doc_qa(servers.start(), Words(), config, restart=servers.start, progress=False)
+    finally:
+        servers.close()
+    assert events == ["open 0", "settle", "close 0", "open 1", "close 1"] and servers.starts == 2
+    assert all(r.equal for r in records) and len(records) == 4
+    assert {n for n, p in seen if p.startswith("Document")} == {0, 1}  # warm-up on the first, queries on the second
