@@ -311,3 +311,27 @@ def test_peers_methods_run_the_workload_through_their_servers_and_restart_after_
     assert events == ["open 0", "settle", "close 0", "open 1", "close 1"] and servers.starts == 2
     assert all(r.equal for r in records) and len(records) == 4
     assert {n for n, p in seen if p.startswith("Document")} == {0, 1}  # warm-up on the first, queries on the second
+
+
+def test_the_issues_targets_are_measured_from_the_rows_and_none_without_them(tmp_path):
+    from kvcodec_tools.workload import targets
+
+    def row(method, rate, query, workload="long-doc-qa", **extra):
+        return {"workload": workload, "method": method, "bandwidth_mbps": rate, "restart_between_rounds": True,
+                "routing": "none", "query_ttft_mean_s": query, **extra}
+
+    rows = [row("kvcodec-vllm-serve", 100.0, 1.0), row("lmcache", 100.0, 2.0), row("lmcache-fp8", 100.0, 1.0),
+            row("kvcodec-vllm-serve", 10000.0, 0.5), row("lmcache", 10000.0, 0.6), row("lmcache-fp8", 10000.0, 0.4),
+            row("kvcodec-vllm-serve", None, 0.3, "multi-round", ttft_by_turn={"1": 2.0, "2": 0.3, "3": 0.33}),
+            dict(row("kvcodec-vllm-serve", None, 0.7), routing="prefix", local_hit_rate=1.0),
+            dict(row("kvcodec-vllm-serve", None, 0.7), routing="round-robin", local_hit_rate=0.5)]
+    t = targets(rows)
+    assert t["long_doc_qa_vs_lmcache_100m"] == {"value": 0.5, "target": "<= 0.7", "met": True}
+    assert t["long_doc_qa_vs_lmcache_fp8_100m"]["value"] == 1.0 and t["long_doc_qa_vs_lmcache_fp8_100m"]["met"] is False
+    assert t["long_doc_qa_vs_best_lmcache_10g"]["value"] == 1.25 and not t["long_doc_qa_vs_best_lmcache_10g"]["met"]
+    assert t["multi_round_last_turn_over_turn_2"] == {"value": 1.1, "target": "<= 1.2", "met": True}
+    assert t["routing_prefix_over_round_robin_local_hits"] == {"value": 2.0, "target": "> 1", "met": True}
+    empty = targets([])
+    assert all(v == {"value": None, "target": v["target"], "met": None} for v in empty.values())
+    merge_rows(tmp_path / "w.json", rows[:2])
+    assert json.loads((tmp_path / "w.json").read_text())["targets"]["long_doc_qa_vs_lmcache_100m"]["met"] is True
