@@ -295,12 +295,9 @@ def removed(path: Path) -> Iterator[None]:
 
 def rung_chunks(metrics_text: str) -> Dict[str, int]:
     """Chunks read per rung (``kvcodec_rung_chunks_total``'s ``rung`` label) in Prometheus text."""
-    out: Dict[str, int] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("kvcodec_rung_chunks_total{") and 'rung="' in line:
-            rung = line.split('rung="', 1)[1].split('"', 1)[0]
-            out[rung] = out.get(rung, 0) + int(float(line.rpartition(" ")[2]))
-    return out
+    from kvcodec_tools.services.vllm_serve import by_label
+
+    return by_label(metrics_text, "kvcodec_rung_chunks_total", "rung")
 
 
 def cost_summary(path: Path, chunk_tokens: int) -> Optional[dict]:

@@ -176,12 +176,11 @@ class _Servers:
 
     def _by_label(self, family: str, label: str, out: dict) -> dict:
         """``family``'s samples summed over the running replicas by ``label``'s value, added to ``out``."""
+        from .services.vllm_serve import by_label
+
         for server in self.current:
-            for line in server.metrics_text().splitlines():
-                if line.startswith(family + "{") and f'{label}="' in line:
-                    name, _, value = line.rpartition(" ")
-                    key = name.split(f'{label}="', 1)[1].split('"', 1)[0]
-                    out[key] = out.get(key, 0) + int(float(value))
+            for key, n in by_label(server.metrics_text(), family, label).items():
+                out[key] = out.get(key, 0) + n
         return out
 
     def tiers(self) -> dict:

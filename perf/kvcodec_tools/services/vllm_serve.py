@@ -136,6 +136,18 @@ class VllmServe:
         return tail(self.log, lines)
 
 
+def by_label(metrics_text: str, family: str, label: str) -> Dict[str, int]:
+    """``family``'s samples in Prometheus text summed by ``label``'s value (other labels, such as
+    vLLM's ``engine`` and ``model_name``, summed over)."""
+    out: Dict[str, int] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(family + "{") and f'{label}="' in line:
+            name, _, value = line.rpartition(" ")
+            key = name.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0) + int(float(value))
+    return out
+
+
 def completion_stream(events, t0: float):
     """(TTFT: the first text's arrival after ``t0`` (``time.perf_counter``), or the end if none came;
     the text; ``cached_tokens`` from the usage, where the server reports it) of a streamed
