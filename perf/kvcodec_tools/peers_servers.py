@@ -32,12 +32,14 @@ def one_port() -> int:
 
 class EnsembleServer:
     """The Triton ensemble (``kvcodec serve`` on the vLLM engine) behind ``VllmServe``'s calls, over
-    gRPC streaming (``KVCodecClient``): ``cached_tokens`` is the response's ``reused_tokens``."""
+    gRPC streaming (``KVCodecClient``): ``cached_tokens`` is the response's ``reused_tokens``;
+    ``http_url``: its HTTP endpoint (the workload bench sends to ``generate_stream`` there)."""
 
     def __init__(self, server) -> None:
         from kvcodec_client.client import KVCodecClient
 
         self.server, self.pid = server, server.pid
+        self.http_url = f"http://{server.http_url}"
         self.client = KVCodecClient(server.grpc_url, "grpc")
 
     def completion(self, prompt: str, max_tokens: int) -> dict:

@@ -19,19 +19,25 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from .workload_run import Answer
+from .workload_run import Answer, EnsembleTarget
 
 
 class ServerTarget:
     """A peers server (``VllmServe`` or ``peers_servers.EnsembleServer``: both have ``streamed``) as a
-    workload target; ``reference(prompt, max_tokens)``: prefill's answer, from ``reference``."""
+    workload target; ``reference(prompt, max_tokens)``: prefill's answer, from ``reference``. The
+    ensemble is sent to through Triton's HTTP ``generate_stream`` (``EnsembleTarget``), as a client
+    of the peers' scripts would (the peers bench uses its gRPC stream)."""
 
     url = "peers"
 
     def __init__(self, server, reference: Callable[[str, int], str]) -> None:
         self.server, self._reference = server, reference
+        http = getattr(server, "http_url", None)
+        self._ensemble = EnsembleTarget(http) if http else None
 
     def send(self, prompt: str, max_tokens: int, salt: Optional[str] = None, route: Optional[str] = None) -> Answer:
+        if self._ensemble is not None:
+            return self._ensemble.send(prompt, max_tokens, salt)
         t0 = time.perf_counter()
         out = self.server.streamed(prompt, max_tokens, **({"cache_salt": salt} if salt else {}))
         elapsed = out.get("elapsed_s") or time.perf_counter() - t0

@@ -19,7 +19,11 @@ from kvcodec.engines.gguf import ensure_model  # noqa: E402
 from kvcodec_tools.ports import free_ports  # noqa: E402
 from kvcodec_tools.services.vllm_serve import VllmServe  # noqa: E402
 from kvcodec_tools.workload import LongDocConfig, MultiRoundConfig, make_row  # noqa: E402
-from kvcodec_tools.workload_run import OpenAITarget, run_long_doc_qa, run_multi_round  # noqa: E402
+from kvcodec_tools.tritonserver import Ports, TritonServer  # noqa: E402
+from kvcodec_tools.workload_run import EnsembleTarget, OpenAITarget, run_long_doc_qa, run_multi_round  # noqa: E402
+from kvcodec.settings import Settings  # noqa: E402
+
+from .conftest import REPO, metric_values  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -95,3 +99,44 @@ def test_multi_round_turn_two_loads_turn_one_from_the_store_after_a_restart(tmp_
         first = next(x for x in records if x.user == r.user and x.turn == 1)
         stored = len(tokenizer.encode(first.prompt)) // 256 * 256  # turn 1's whole chunks, written back
         assert stored >= 512 and (r.cached_tokens or 0) >= stored, (r.cached_tokens, stored, tail)
+
+
+def test_long_doc_qa_through_the_ensembles_http_generate_stream_reads_the_store(tmp_path: Path, settings, tokenizer):
+    """Triton's ensemble (a real tritonserver, vLLM engine, its prefix cache off) as the workload's
+    target through HTTP ``generate_stream``: the warm-up round's misses are written back; once the
+    server's ``kvcodec_writeback_pending`` is 0, the query round reads every document from the store
+    (the stream's ``reused_tokens`` >= 512: vLLM keeps nothing itself), and every answer equals
+    prefill's (asked with ``reuse: false``)."""
+    key = tmp_path / "chunk.key"
+    key.write_text(KEY + "\n")
+    key.chmod(0o600)
+    s = Settings.load({"home": str(tmp_path / "home"), "model_cache": str(settings.model_cache), "threads": "1",
+                       "ladder": "raw", "engine": "vllm", "writeback": "raw", "store": f"file://{tmp_path / 'store'}",
+                       "key_file": str(key), "adaptive": "0", "prefix_cache": "0"}, env={})
+    server = TritonServer(REPO / "model_repository", s, Ports(*free_ports(3)), log_path=tmp_path / "triton.log")
+    metrics = f"http://127.0.0.1:{server.ports.metrics}/metrics"
+    config = LongDocConfig(documents=2, document_tokens=600, output_tokens=4, repeat_count=1, repeat_mode="tile",
+                           inflight=2)
+
+    def written_back() -> EnsembleTarget:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            target.send("ping", 1)  # the gauge is brought up to date at the end of a request
+            if sum(metric_values(metrics, "kvcodec_writeback_pending").values()) == 0:
+                break
+            time.sleep(0.5)
+        return target
+
+    server.start(timeout_s=600)
+    try:
+        target = EnsembleTarget(f"http://{server.http_url}")
+        records, times = run_long_doc_qa(target, tokenizer, config, restart=written_back, progress=False)
+        saves = metric_values(metrics, "kvcodec_writeback_total")
+    finally:
+        server.stop()
+    row = make_row("long-doc-qa", "kvcodec-ensemble", None, False, records, {}, **times)
+    print(json.dumps({k: v for k, v in row.items() if k != "requests"}), saves)
+    assert row["answers_equal"], [(r.doc, r.round, r.text) for r in records]
+    assert [r.cached_tokens for r in records if r.round == "warmup"] == [0, 0]
+    query = [r for r in records if r.round == "query"]
+    assert len(query) == 2 and all((r.cached_tokens or 0) >= 512 for r in query), [r.cached_tokens for r in query]

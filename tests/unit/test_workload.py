@@ -313,6 +313,25 @@ def test_peers_methods_run_the_workload_through_their_servers_and_restart_after_
     assert {n for n, p in seen if p.startswith("Document")} == {0, 1}  # warm-up on the first, queries on the second
 
 
+def test_a_peers_ensemble_is_sent_to_through_http_generate_stream():
+    """``workload_peers.ServerTarget``: a server with ``http_url`` (``EnsembleServer``) gets the
+    workload's requests on Triton's HTTP ``generate_stream``, not its gRPC ``streamed``."""
+    from kvcodec_tools.workload_peers import ServerTarget
+
+    class Ensemble:
+        def __init__(self, url):
+            self.http_url = url
+
+        def streamed(self, prompt, max_tokens, **extra):
+            raise AssertionError("the gRPC stream was used")
+
+    with FakeServer() as server:
+        target = ServerTarget(Ensemble(server.url), lambda p, m: "unused")
+        first, again = target.send("a prompt", 4), target.send("a prompt", 4)
+    assert first.text == again.text == "<8>" and (first.cached_tokens, again.cached_tokens) == (0, 5)
+    assert [b["text_input"] for b in server.bodies] == ["a prompt"] * 2 and all(b["stream"] for b in server.bodies)
+
+
 def test_the_issues_targets_are_measured_from_the_rows_and_none_without_them(tmp_path):
     from kvcodec_tools.workload import targets
 
