@@ -88,3 +88,25 @@ def test_a_failed_probe_keeps_the_store_out_for_twice_as_long(context):  # noqa:
         assert breaker.cooldown_s == 4.0 and sink.stats()["breaker"] == "open"
     finally:
         sink.close()
+
+
+def test_a_probe_that_fails_before_the_store_leaves_it_out_and_the_next_job_probes(context):  # noqa: F811
+    """A probe job that fails for its own reason (an encode error, before any store call) says
+    nothing of the store: the breaker stays open (no job goes to a store nobody has seen heal) and
+    the next job is the probe."""
+    ids, kv = context
+    store, clock = SickStore(), Clock()
+    breaker = Breaker(cooldown_s=1.0, clock=clock)
+    saver = ChunkSaver(store, MODEL, parse_ladder(["int8-zstd"]), CHUNK, auth=AUTH)
+    sink = WriteBackSink(saver, breaker=breaker)
+    one, broken = [(0, 0, kv[:, :, :, :CHUNK])], [(0, 0, "not a KV array")]
+    try:
+        offer = sink.for_prompt(ids)
+        assert offer(one) == 1 and sink.flush(60) and breaker.state == "open" and store.calls == 1
+        clock.now += 1.5
+        assert offer(broken) == 1 and sink.flush(60)  # the probe's job fails in the sink, not the store
+        assert store.calls == 1 and breaker.state == "open" and breaker.cooldown_s == 1.0
+        assert offer(one) == 1 and sink.flush(60)  # at once, no new cooldown: it probes the (dead) store
+        assert store.calls == 2 and breaker.cooldown_s == 2.0 and breaker.state == "open"
+    finally:
+        sink.close()

@@ -115,8 +115,8 @@ class WriteBackSink:
                 return SKIPPED  # the store is kept out: no call waits on it
         chunk_keys_ = keys.of(index)
         replace = frozenset(k for k in chunk_keys_ if k in self.corrupt)
-        array = kv if isinstance(kv, np.ndarray) else kv.get()
         try:
+            array = kv if isinstance(kv, np.ndarray) else kv.get()  # inside: a probe must be reported
             saved = self.saver.save(chunk_keys_, index, start, array, replace, keys.tenant)
         except StoreUnavailable as exc:
             if probe:
@@ -125,8 +125,8 @@ class WriteBackSink:
                 self.breaker.failure(str(exc))
             raise
         except BaseException:
-            if probe:  # not the store's fault: the next job probes again
-                self.breaker.probe_done(True)
+            if probe:  # not the store's fault, and nothing learnt of it: the next job probes again
+                self.breaker.probe_void()
             raise
         if probe:
             self.breaker.probe_done(True)

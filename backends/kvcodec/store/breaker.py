@@ -10,7 +10,10 @@ Contract:
   caller runs one cheap call (the probe) and reports it with ``probe_done(ok)``.
 - ``half-open``: requests still skip the store; the probe's success closes the breaker (and resets
   the cooldown), its failure opens it again with the cooldown doubled, up to ``max_cooldown_s``.
-  Outcomes of ordinary calls are ignored while the breaker is not closed: only probes decide.
+  Outcomes of ordinary calls are ignored while the breaker is not closed: only probes decide. A
+  probe that ended without asking the store anything (its caller failed first: an encode error)
+  is ``probe_void()``: open again, the cooldown unchanged and already over, so the next caller
+  probes.
 
 Time comes from ``clock`` (``time.monotonic`` by default; tests pass a fake). Thread-safe.
 ``STATES`` gives each state its number for a gauge (closed 0, half-open 1, open 2).
@@ -78,6 +81,12 @@ class Breaker:
                 self.last_error = error or self.last_error
                 self.cooldown_s = min(self.cooldown_s * 2, self.max_cooldown_s)
                 self._open()
+
+    def probe_void(self) -> None:
+        """The probe said nothing of the store: open again, the next ``take_probe()`` succeeds."""
+        with self._lock:
+            if self.state == HALF_OPEN:
+                self.state, self._opened_at = OPEN, self.clock() - self.cooldown_s
 
     def _open(self) -> None:
         self.state, self._opened_at = OPEN, self.clock()
