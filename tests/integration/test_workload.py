@@ -16,12 +16,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is tested in its own venv: make test-vllm")
 
 from kvcodec.engines.gguf import ensure_model  # noqa: E402
+from kvcodec.settings import Settings  # noqa: E402
 from kvcodec_tools.ports import free_ports  # noqa: E402
 from kvcodec_tools.services.vllm_serve import VllmServe  # noqa: E402
-from kvcodec_tools.workload import LongDocConfig, MultiRoundConfig, make_row  # noqa: E402
 from kvcodec_tools.tritonserver import Ports, TritonServer  # noqa: E402
+from kvcodec_tools.workload import LongDocConfig, MultiRoundConfig, make_row  # noqa: E402
 from kvcodec_tools.workload_run import EnsembleTarget, OpenAITarget, run_long_doc_qa, run_multi_round  # noqa: E402
-from kvcodec.settings import Settings  # noqa: E402
 
 from .conftest import REPO, metric_values  # noqa: E402
 
