@@ -45,6 +45,13 @@ class EnsembleServer:
     def completion(self, prompt: str, max_tokens: int) -> dict:
         return self.streamed(prompt, max_tokens)
 
+    def metrics_text(self) -> str:
+        """Triton's ``/metrics`` (the kvcodec families are brought up to date at each request's end)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.server.host}:{self.server.ports.metrics}/metrics", timeout=10) as r:
+            return r.read().decode()
+
     def streamed(self, prompt: str, max_tokens: int) -> dict:
         r = self.client.generate(prompt, max_tokens)
         return {"ttft_s": r.ttft_s, "text": r.text, "cached_tokens": r.reused_tokens, "elapsed_s": r.total_s,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .workload_run import Answer, EnsembleTarget
 
@@ -50,27 +50,46 @@ class ServerTarget:
 class MethodServers:
     """One method's servers on one store: ``start()`` enters ``open_server()`` (a context manager
     yielding the server) and returns its target, closing the one before (after ``settle()``);
-    ``close()`` ends the last."""
+    ``close()`` ends the last. ``writeback``: the KVCodec servers' write-back jobs by state
+    (``kvcodec_writeback_total``: queued, stored, dropped, failed, skipped), summed over the servers,
+    each read once its stores have settled; empty for the others."""
 
     def __init__(self, open_server: Callable[[int], object], settle: Callable[[], None],
                  reference: Callable[[str, int], str]) -> None:
         self.open_server, self.settle, self.reference = open_server, settle, reference
-        self.starts, self._open = 0, None
+        self.starts, self._open, self._server = 0, None, None
+        self.writeback: Dict[str, int] = {}
 
     def start(self) -> ServerTarget:
         self.close(settle=True)
         self._open = self.open_server(self.starts)
-        server = self._open.__enter__()
+        self._server = self._open.__enter__()
         self.starts += 1
-        server.streamed("Hello", 1)  # the server's one-time costs, nothing stored
-        return ServerTarget(server, self.reference)
+        self._server.streamed("Hello", 1)  # the server's one-time costs, nothing stored
+        return ServerTarget(self._server, self.reference)
 
     def close(self, settle: bool = False) -> None:
         if self._open is not None:
             if settle:
                 self.settle()  # write-back / LMCache's store to L2 ends off the requests' path
+            self._count_writeback()
             opened, self._open = self._open, None
             opened.__exit__(None, None, None)
+
+    def _count_writeback(self) -> None:
+        from .services.vllm_serve import by_label
+
+        read = getattr(self._server, "metrics_text", None)
+        if read is None:
+            return
+        try:
+            self._server.streamed("Hello", 1)  # Triton updates its counters at a request's end
+            counts = by_label(read(), "kvcodec_writeback_total", "state")
+        except OSError as exc:
+            print(f"  write-back counts not read: {exc}", file=sys.stderr, flush=True)
+            return
+        for state, n in counts.items():
+            self.writeback[state] = self.writeback.get(state, 0) + n
 
 
 def run_peers(args, config, tokenizer, model: Path, work: Path, run, log=print) -> List[dict]:
@@ -111,9 +130,11 @@ def run_peers(args, config, tokenizer, model: Path, work: Path, run, log=print) 
                                              restart=servers.start if args.restart_between_rounds else None,
                                              progress=not args.no_progress)
                     finally:
-                        servers.close()
+                        servers.close(settle=True)
                 details = {**config_dict(config), "target": f"peers: {method}", "store": pc.store,
                            "delay_ms": pc.delay_ms, "servers": servers.starts}
+                if servers.writeback:  # what write-back did under the run's load: stored, or dropped and why
+                    details["writeback"] = servers.writeback
                 row = make_row(args.workload, method, rate, args.restart_between_rounds, records, details, **times)
                 print(f"  {method} @ {rate:g} Mbit/s: warm-up {row['warmup_ttft_mean_s']} s, query "
                       f"{row['query_ttft_mean_s']} s, gain {row['ttft_gain']}, answers equal {row['answers_equal']}",

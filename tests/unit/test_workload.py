@@ -296,6 +296,10 @@ def test_peers_methods_run_the_workload_through_their_servers_and_restart_after_
             seen.append((self.n, prompt[:12]))
             return {"ttft_s": 0.01, "text": f"<{len(prompt) % 97}>", "cached_tokens": 0, "elapsed_s": 0.02}
 
+        def metrics_text(self):  # each server's own counts: queued 4, stored 3 + n, dropped 1 - n
+            return "\n".join(f'kvcodec_writeback_total{{engine="0",state="{k}"}} {v}.0'
+                              for k, v in (("queued", 4), ("stored", 3 + self.n), ("dropped", 1 - self.n)))
+
     @contextlib.contextmanager
     def open_server(n):
         events.append(f"open {n}")
@@ -309,6 +313,7 @@ def test_peers_methods_run_the_workload_through_their_servers_and_restart_after_
     finally:
         servers.close()
     assert events == ["open 0", "settle", "close 0", "open 1", "close 1"] and servers.starts == 2
+    assert servers.writeback == {"queued": 8, "stored": 7, "dropped": 1}  # summed over both servers
     assert all(r.equal for r in records) and len(records) == 4
     assert {n for n, p in seen if p.startswith("Document")} == {0, 1}  # warm-up on the first, queries on the second
 
