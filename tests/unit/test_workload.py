@@ -346,7 +346,8 @@ def test_the_issues_targets_are_measured_from_the_rows_and_none_without_them(tmp
 
     rows = [row("kvcodec-vllm-serve", 100.0, 1.0), row("lmcache", 100.0, 2.0), row("lmcache-fp8", 100.0, 1.0),
             row("kvcodec-vllm-serve", 10000.0, 0.5), row("lmcache", 10000.0, 0.6), row("lmcache-fp8", 10000.0, 0.4),
-            row("kvcodec-vllm-serve", None, 0.3, "multi-round", ttft_by_turn={"1": 2.0, "2": 0.3, "3": 0.33}),
+            row("kvcodec-vllm-serve", 100.0, 0.3, "multi-round", ttft_by_turn={"1": 2.0, "2": 0.3, "3": 0.33}),
+            row("kvcodec-vllm-serve", None, 0.3, "multi-round", ttft_by_turn={"1": 2.0, "2": 0.3, "3": 0.9}),
             dict(row("kvcodec-vllm-serve", None, 0.7), routing="prefix", local_hit_rate=1.0),
             dict(row("kvcodec-vllm-serve", None, 0.7), routing="round-robin", local_hit_rate=0.5)]
     t = targets(rows)
@@ -354,6 +355,9 @@ def test_the_issues_targets_are_measured_from_the_rows_and_none_without_them(tmp
     assert t["long_doc_qa_vs_lmcache_fp8_100m"]["value"] == 1.0 and t["long_doc_qa_vs_lmcache_fp8_100m"]["met"] is False
     assert t["long_doc_qa_vs_best_lmcache_10g"]["value"] == 1.25 and not t["long_doc_qa_vs_best_lmcache_10g"]["met"]
     assert t["multi_round_last_turn_over_turn_2"] == {"value": 1.1, "target": "<= 1.2", "met": True}
+    growing = row("kvcodec-ensemble", 100.0, 0.5, "multi-round", ttft_by_turn={"1": 1.0, "2": 0.4, "3": 0.6})
+    assert targets(rows[:6] + [growing] + rows[6:])["multi_round_last_turn_over_turn_2"]["value"] == 1.5  # the worst row
+    # (the row without a link, 3.0, is not a side-by-side row)
     assert t["routing_prefix_over_round_robin_local_hits"] == {"value": 2.0, "target": "> 1", "met": True}
     empty = targets([])
     assert all(v == {"value": None, "target": v["target"], "met": None} for v in empty.values())
