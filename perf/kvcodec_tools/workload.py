@@ -373,45 +373,77 @@ def targets(rows: Sequence[dict]) -> Dict[str, dict]:
     return out
 
 
-def _label(row: dict) -> str:
-    bw = "" if row.get("bandwidth_mbps") is None else f" {row['bandwidth_mbps']:g} Mbit/s"
-    routed = f" {row['routing']}" if row.get("routing", "none") != "none" else ""
-    return row["method"] + bw + routed + (" restart" if row.get("restart_between_rounds") else "")
+def _method(row: dict) -> str:
+    routed = f" ({row['routing']} routing)" if row.get("routing", "none") not in (None, "none") else ""
+    return row["method"] + routed
+
+
+def _rate(row: dict) -> str:
+    rate = row.get("bandwidth_mbps")
+    return "no link" if rate is None else (f"{rate / 1000:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s")
+
+
+def _panels(rows: Sequence[dict]) -> List[Tuple[str, bool, List[dict]]]:
+    """(workload, restart, its rows) for each pair that has rows: one panel each."""
+    out = []
+    for workload in ("long-doc-qa", "multi-round"):
+        for restart in (True, False):
+            chosen = [r for r in rows if r["workload"] == workload and bool(r.get("restart_between_rounds")) == restart]
+            if chosen:
+                out.append((workload, restart, chosen))
+    return out
 
 
 def plot(rows: Sequence[dict], path: Path, log: Callable[[str], None] = print) -> None:
-    """Long-doc-qa: warm-up and query mean TTFT per row; multi-round: mean TTFT per turn per row."""
+    """A panel per workload and restart (or not) between the rounds. Long-doc-qa: the query round's
+    mean TTFT per method, a bar per link rate (the TTFT gain over the warm-up on each); multi-round:
+    mean TTFT per turn, a colour per method, a line style per link rate."""
     import matplotlib
+    import matplotlib.patches
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    docs = [r for r in rows if r["workload"] == "long-doc-qa"]
-    chats = [r for r in rows if r["workload"] == "multi-round"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    ax = axes[0]
-    for i, row in enumerate(docs):
-        ax.bar([i - 0.2], [row["warmup_ttft_mean_s"] or 0], 0.4, color="tab:gray", label="warm-up" if i == 0 else None)
-        ax.bar([i + 0.2], [row["query_ttft_mean_s"] or 0], 0.4, color="tab:blue", label="query" if i == 0 else None)
-        if row.get("ttft_gain"):
-            ax.annotate(f"{row['ttft_gain']:.1f}x", (i + 0.2, row["query_ttft_mean_s"] or 0), ha="center",
-                        va="bottom", fontsize=8)
-    ax.set_xticks(range(len(docs)), [_label(r) for r in docs], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("mean TTFT (s)")
-    ax.set_title("long-doc-qa: warm-up vs query round")
-    if docs:
-        ax.legend(fontsize=8)
-    ax = axes[1]
-    for row in chats:
-        turns = sorted(row.get("ttft_by_turn", {}), key=int)
-        ax.plot([int(k) for k in turns], [row["ttft_by_turn"][k] for k in turns], marker="o", label=_label(row))
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_xlabel("turn")
-    ax.set_ylabel("mean TTFT (s)")
-    ax.set_title("multi-round: TTFT by turn")
-    if chats:
-        ax.legend(fontsize=8)
+    panels = _panels(rows)
+    methods = list(dict.fromkeys(_method(r) for r in rows))
+    rates = list(dict.fromkeys(_rate(r) for r in sorted(rows, key=lambda r: r.get("bandwidth_mbps") or 0)))
+    colour = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    styles = {rate: ("-", "--", ":", "-.")[i % 4] for i, rate in enumerate(rates)}
+    columns = 2 if len(panels) > 1 else 1
+    lines = max(1, -(-len(panels) // columns))
+    fig, axes = plt.subplots(lines, columns, figsize=(7 * columns, 4.6 * lines), squeeze=False)
+    for ax, (workload, restart, chosen) in zip(axes.flat, panels):
+        when = "after a restart between the rounds" if restart else "one server for both rounds"
+        if workload == "long-doc-qa":
+            names = list(dict.fromkeys(_method(r) for r in chosen))
+            here = [rate for rate in rates if any(_rate(r) == rate for r in chosen)]
+            width = 0.8 / len(here)
+            for j, rate in enumerate(here):
+                for r in (r for r in chosen if _rate(r) == rate):
+                    x, y = names.index(_method(r)) - 0.4 + width * (j + 0.5), r["query_ttft_mean_s"] or 0
+                    ax.bar([x], [y], width, color=colour[_method(r)], hatch=("", "//", "..", "xx")[j % 4],
+                           edgecolor="black", linewidth=0.4)
+                    if r.get("ttft_gain"):
+                        ax.annotate(f"{r['ttft_gain']:.1f}x", (x, y), ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+            ax.legend(handles=[matplotlib.patches.Patch(facecolor="white", edgecolor="black",
+                                                        hatch=("", "//", "..", "xx")[j % 4], label=rate)
+                               for j, rate in enumerate(here)], fontsize=8, title="link", title_fontsize=8)
+            ax.set_ylabel("query round: mean TTFT (s)")
+            ax.set_title(f"long-doc-qa, {when}", fontsize=10)
+        else:
+            for r in chosen:
+                turns = sorted(r.get("ttft_by_turn", {}), key=int)
+                ax.plot([int(k) for k in turns], [r["ttft_by_turn"][k] for k in turns], marker="o",
+                        color=colour[_method(r)], linestyle=styles[_rate(r)], label=f"{_method(r)}, {_rate(r)}")
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+            ax.set_xlabel("turn")
+            ax.set_ylabel("mean TTFT (s)")
+            ax.set_title(f"multi-round by turn, {when}", fontsize=10)
+            ax.legend(fontsize=7, ncol=2)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
