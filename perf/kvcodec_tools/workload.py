@@ -413,7 +413,7 @@ def plot(rows: Sequence[dict], path: Path, log: Callable[[str], None] = print) -
     columns = 2 if len(panels) > 1 else 1
     lines = max(1, -(-len(panels) // columns))
     fig, axes = plt.subplots(lines, columns, figsize=(7 * columns, 4.6 * lines), squeeze=False)
-    for ax, (workload, restart, chosen) in zip(axes.flat, panels):
+    for ax, (workload, restart, chosen) in zip(list(axes.flat)[:len(panels)], panels, strict=True):
         when = "after a restart between the rounds" if restart else "one server for both rounds"
         if workload == "long-doc-qa":
             names = list(dict.fromkeys(_method(r) for r in chosen))
