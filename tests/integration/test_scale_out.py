@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(120
 QUESTION = "\n\n# Question: what does this module do?\n# Answer:"
 MAX_TOKENS = 8
 PASSWORD = "scale-out-pw-0123456789"
+MAX_HEADS = 24  # prompt heads tried before both servers must have been reached
 
 
 @pytest.fixture(scope="module", params=["s3", "redis-cluster"])
@@ -189,22 +190,26 @@ def test_a_prefix_router_sends_one_prompt_head_to_one_server_over_grpc_and_http(
     """nginx's consistent hash of ``X-KVCodec-Prefix`` (``Balancer(routing="prefix")``), which
     ``KVCodecClient.generate(route=...)`` sets (gRPC: as metadata): every request with one head lands
     on one server; heads spread over both (without the header, the round-robin balancer above
-    spreads one prompt's requests over both)."""
+    spreads one prompt's requests over both). The ring is built from the servers' addresses (random
+    ports here), so how many heads it takes to reach both varies: heads are tried until both are
+    reached, up to ``MAX_HEADS`` (never reaching one of two servers on a balanced ring: 2^-23)."""
     _, servers, _, _ = deployment
     http, grpc = free_ports(2)
-    heads = [tokenizer.encode(text_of(tokenizer, name, 120)) for name in ("fnmatch.py", "shlex.py", "calendar.py",
-                                                                           "textwrap.py", "glob.py", "getopt.py")]
+    body = tokenizer.encode(text_of(tokenizer, "fnmatch.py", 120))
     question, landed = tokenizer.encode(QUESTION), {}
     with Balancer(tmp_path / "router", "127.0.0.1", http, grpc, [(s.ports.http, s.ports.grpc) for s in servers],
                   routing="prefix") as router:
         for protocol, address in (("grpc", router.grpc_url), ("http", router.http_url)):
             client = KVCodecClient(address, protocol)
-            for i, head in enumerate(heads):
+            for i in range(MAX_HEADS):
+                head = tokenizer.encode(f"# group {i}\n") + body
                 before = [successes(s) for s in servers]
                 for _ in range(3):
                     client.generate(head + question, 1, reuse=False, route=head)
                 grew = [x > y for x, y in zip((successes(s) for s in servers), before, strict=True)]
                 assert sum(grew) == 1, (protocol, i, grew)  # all three on one server
                 landed[(protocol, i)] = grew.index(True)
+                if i >= 2 and {landed[(protocol, k)] for k in range(i + 1)} == {0, 1}:
+                    break
     for protocol in ("grpc", "http"):
-        assert {landed[(protocol, i)] for i in range(len(heads))} == {0, 1}, landed  # heads spread over both
+        assert {v for (p, _), v in landed.items() if p == protocol} == {0, 1}, landed  # heads spread over both
