@@ -361,11 +361,9 @@ def targets(rows: Sequence[dict]) -> Dict[str, dict]:
     chats = [r for r in rows if r["workload"] == "multi-round" and r["method"] in KVCODEC_METHODS
              and r.get("restart_between_rounds") and r.get("bandwidth_mbps") and r.get("routing", "none") == "none"
              and len(r.get("ttft_by_turn", {})) >= 3]  # the side-by-side rows, on a link
-    growth = None
-    for chat in chats:  # the worst of the KVCodec rows: flat must hold for each
-        turns = chat["ttft_by_turn"]
-        value = ratio(turns[max(turns, key=int)], turns.get("2"))
-        growth = value if growth is None or (value is not None and value > growth) else growth
+    growths = [g for g in (ratio(t[max(t, key=int)], t.get("2")) for t in (c["ttft_by_turn"] for c in chats))
+               if g is not None]
+    growth = max(growths) if growths else None  # the worst KVCodec row: flat must hold for each
     out["multi_round_last_turn_over_turn_2"] = one(growth, 1.2)
     hits = {r.get("routing"): r.get("local_hit_rate") for r in rows if r.get("local_hit_rate") is not None}
     out["routing_prefix_over_round_robin_local_hits"] = one(ratio(hits.get("prefix"), hits.get("round-robin")), 1.0,
@@ -394,13 +392,47 @@ def _panels(rows: Sequence[dict]) -> List[Tuple[str, bool, List[dict]]]:
     return out
 
 
+HATCHES = ("", "//", "..", "xx")  # one per link rate in a long-doc-qa panel
+
+
+def _query_bars(ax, chosen: Sequence[dict], rates: Sequence[str], colour: Dict[str, str]) -> None:
+    """Long-doc-qa: the query round's mean TTFT per method, a bar per link rate, its TTFT gain on top."""
+    import matplotlib.patches
+
+    names = list(dict.fromkeys(_method(r) for r in chosen))
+    here = [rate for rate in rates if any(_rate(r) == rate for r in chosen)]
+    width = 0.8 / len(here)
+    for j, rate in enumerate(here):
+        for r in (r for r in chosen if _rate(r) == rate):
+            x, y = names.index(_method(r)) - 0.4 + width * (j + 0.5), r["query_ttft_mean_s"] or 0
+            ax.bar([x], [y], width, color=colour[_method(r)], hatch=HATCHES[j % 4], edgecolor="black", linewidth=0.4)
+            if r.get("ttft_gain"):
+                ax.annotate(f"{r['ttft_gain']:.1f}x", (x, y), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+    ax.legend(handles=[matplotlib.patches.Patch(facecolor="white", edgecolor="black", hatch=HATCHES[j % 4], label=rate)
+                       for j, rate in enumerate(here)], fontsize=8, title="link", title_fontsize=8)
+    ax.set_ylabel("query round: mean TTFT (s)")
+
+
+def _turn_lines(ax, chosen: Sequence[dict], colour: Dict[str, str], styles: Dict[str, str]) -> None:
+    """Multi-round: mean TTFT per turn, a colour per method, a line style per link rate."""
+    import matplotlib.ticker
+
+    for r in chosen:
+        turns = sorted(r.get("ttft_by_turn", {}), key=int)
+        ax.plot([int(k) for k in turns], [r["ttft_by_turn"][k] for k in turns], marker="o",
+                color=colour[_method(r)], linestyle=styles[_rate(r)], label=f"{_method(r)}, {_rate(r)}")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("mean TTFT (s)")
+    ax.legend(fontsize=7, ncol=2)
+
+
 def plot(rows: Sequence[dict], path: Path, log: Callable[[str], None] = print) -> None:
     """A panel per workload and restart (or not) between the rounds. Long-doc-qa: the query round's
     mean TTFT per method, a bar per link rate (the TTFT gain over the warm-up on each); multi-round:
     mean TTFT per turn, a colour per method, a line style per link rate."""
     import matplotlib
-    import matplotlib.patches
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -416,32 +448,11 @@ def plot(rows: Sequence[dict], path: Path, log: Callable[[str], None] = print) -
     for ax, (workload, restart, chosen) in zip(list(axes.flat)[:len(panels)], panels, strict=True):
         when = "after a restart between the rounds" if restart else "one server for both rounds"
         if workload == "long-doc-qa":
-            names = list(dict.fromkeys(_method(r) for r in chosen))
-            here = [rate for rate in rates if any(_rate(r) == rate for r in chosen)]
-            width = 0.8 / len(here)
-            for j, rate in enumerate(here):
-                for r in (r for r in chosen if _rate(r) == rate):
-                    x, y = names.index(_method(r)) - 0.4 + width * (j + 0.5), r["query_ttft_mean_s"] or 0
-                    ax.bar([x], [y], width, color=colour[_method(r)], hatch=("", "//", "..", "xx")[j % 4],
-                           edgecolor="black", linewidth=0.4)
-                    if r.get("ttft_gain"):
-                        ax.annotate(f"{r['ttft_gain']:.1f}x", (x, y), ha="center", va="bottom", fontsize=7)
-            ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-            ax.legend(handles=[matplotlib.patches.Patch(facecolor="white", edgecolor="black",
-                                                        hatch=("", "//", "..", "xx")[j % 4], label=rate)
-                               for j, rate in enumerate(here)], fontsize=8, title="link", title_fontsize=8)
-            ax.set_ylabel("query round: mean TTFT (s)")
+            _query_bars(ax, chosen, rates, colour)
             ax.set_title(f"long-doc-qa, {when}", fontsize=10)
         else:
-            for r in chosen:
-                turns = sorted(r.get("ttft_by_turn", {}), key=int)
-                ax.plot([int(k) for k in turns], [r["ttft_by_turn"][k] for k in turns], marker="o",
-                        color=colour[_method(r)], linestyle=styles[_rate(r)], label=f"{_method(r)}, {_rate(r)}")
-            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-            ax.set_xlabel("turn")
-            ax.set_ylabel("mean TTFT (s)")
+            _turn_lines(ax, chosen, colour, styles)
             ax.set_title(f"multi-round by turn, {when}", fontsize=10)
-            ax.legend(fontsize=7, ncol=2)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
